@@ -1,0 +1,181 @@
+"""The built-in records, transcribed from ``shared/reference/ort-attention-facts.md``.
+
+Where the facts file marks something unverified or says nothing, the record is conservative:
+a capability we have not seen stays off, since an EP that silently falls back to the CPU (or
+rejects an attribute at load time) is worse than a slower graph that is kept.
+"""
+
+from __future__ import annotations
+
+from .records import EPCapabilities, GQASupport, OpSupport
+
+_CPU_GQA = GQASupport(
+    qk_norm=False,
+    head_size_multiple=8,
+    rotary_head_size_multiple=16,
+    rotary_cache_width_multiple=8,
+    chunked_prefill_needs_batch1=True,
+)
+_CPU = OpSupport(
+    gqa=_CPU_GQA,
+    attention=True,
+    attention_softcap=True,
+    rotary_embedding=True,
+    ms_rotary_embedding=True,
+    mrotary_embedding=True,
+    rms_normalization=True,
+    simplified_layer_norm=True,
+    skip_simplified_layer_norm=True,
+    skip_layer_norm=True,
+)
+
+CPU = EPCapabilities(
+    name="cpu",
+    provider="CPUExecutionProvider",
+    description="ONNX Runtime CPU",
+    dtypes={"float32": _CPU, "float16": _CPU},
+    notes=("no bfloat16 kernels for GQA, Attention or RMSNormalization",),
+)
+
+_CUDA_GQA = GQASupport(qk_norm=True)
+_CUDA_HALF = OpSupport(
+    gqa=_CUDA_GQA,
+    attention=True,
+    attention_softcap=True,
+    rotary_embedding=True,
+    ms_rotary_embedding=True,
+    rms_normalization=True,
+    simplified_layer_norm=True,
+    skip_simplified_layer_norm=True,
+    skip_layer_norm=True,
+)
+CUDA = EPCapabilities(
+    name="cuda",
+    provider="CUDAExecutionProvider",
+    description="NVIDIA CUDA",
+    dtypes={
+        "float32": OpSupport(
+            attention=True,
+            attention_softcap=True,
+            rotary_embedding=True,
+            ms_rotary_embedding=True,
+            rms_normalization=True,
+            simplified_layer_norm=True,
+            skip_simplified_layer_norm=True,
+            skip_layer_norm=True,
+        ),
+        "float16": _CUDA_HALF,
+        "bfloat16": _CUDA_HALF,
+    },
+    notes=("GroupQueryAttention runs fp16/bf16 only",),
+)
+
+_DML_GQA = GQASupport(
+    fused_rotary=False,
+    interleaved_rotary=False,
+    packed_qkv=False,
+    softcap=False,
+    local_window=False,
+    attention_bias=False,
+)
+_DML = OpSupport(
+    gqa=_DML_GQA,
+    ms_rotary_embedding=True,
+    simplified_layer_norm=True,
+    skip_simplified_layer_norm=True,
+    skip_layer_norm=True,
+)
+DML = EPCapabilities(
+    name="dml",
+    provider="DmlExecutionProvider",
+    description="DirectML",
+    dtypes={"float16": _DML, "float32": _DML},
+    notes=(
+        "GQA without cos/sin inputs (no fused RoPE) and without packed QKV; causal only",
+        "no ONNX Attention kernel",
+    ),
+)
+
+_WEBGPU_GQA = GQASupport(
+    rotary_position_ids=False,
+    softcap=False,
+    local_window=False,
+    attention_bias=False,
+    qk_norm=True,
+)
+_WEBGPU = OpSupport(
+    gqa=_WEBGPU_GQA,
+    ms_rotary_embedding=True,
+    simplified_layer_norm=True,
+    skip_simplified_layer_norm=True,
+)
+WEBGPU = EPCapabilities(
+    name="webgpu",
+    provider="WebGpuExecutionProvider",
+    description="WebGPU",
+    dtypes={"float32": _WEBGPU, "float16": _WEBGPU},
+    notes=("fused rotary takes positions from seqlens_k and ignores position_ids",),
+)
+
+_QNN_GQA = GQASupport(
+    interleaved_rotary=False,
+    packed_qkv=False,
+    softcap=False,
+    local_window=False,
+    attention_bias=False,
+)
+QNN = EPCapabilities(
+    name="qnn",
+    provider="QNNExecutionProvider",
+    description="Qualcomm QNN (GPU/HTP)",
+    dtypes={"float32": OpSupport(gqa=_QNN_GQA), "float16": OpSupport(gqa=_QNN_GQA)},
+    notes=("GQA rejects softcap, local window, interleaved rotary and attention_bias",),
+)
+
+_TRT_GQA = GQASupport(
+    packed_qkv=False,
+    softcap=False,
+    local_window=False,
+    attention_bias=False,
+    requires_rotary_caches=True,
+)
+_TRT = OpSupport(gqa=_TRT_GQA, attention=True, attention_softcap=False)
+TRT_RTX = EPCapabilities(
+    name="trt-rtx",
+    provider="NvTensorRTRTXExecutionProvider",
+    description="NVIDIA TensorRT for RTX",
+    dtypes={"float16": _TRT, "bfloat16": _TRT},
+    notes=("rank-3 q/k/v, wants cos/sin present; its Attention has no softcap",),
+)
+
+OPENVINO = EPCapabilities(
+    name="openvino",
+    provider="OpenVINOExecutionProvider",
+    description="Intel OpenVINO",
+    dtypes={},
+    notes=("no fused op verified yet: epfuse only canonicalizes",),
+)
+
+COREML = EPCapabilities(
+    name="coreml",
+    provider="CoreMLExecutionProvider",
+    description="Apple CoreML",
+    dtypes={},
+    notes=("no GroupQueryAttention",),
+)
+
+_PORTABLE = OpSupport(
+    attention=True,
+    attention_softcap=True,
+    rotary_embedding=True,
+    rms_normalization=True,
+)
+DEFAULT = EPCapabilities(
+    name="default",
+    provider=None,
+    description="portable standard ONNX (no vendor domains)",
+    dtypes={"float32": _PORTABLE, "float16": _PORTABLE, "bfloat16": _PORTABLE},
+    vendor_ops=False,
+)
+
+BUILTIN = (CPU, CUDA, DML, WEBGPU, TRT_RTX, QNN, OPENVINO, COREML, DEFAULT)

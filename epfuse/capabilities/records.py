@@ -1,0 +1,104 @@
+"""Capability records: frozen data saying what one execution provider runs, per dtype.
+
+A record says what epfuse may *emit* for an EP. Ops the input model already contains are
+never removed merely because a record omits them: the model's author chose them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from types import MappingProxyType
+
+DTYPES: tuple[str, ...] = ("float32", "float16", "bfloat16")
+
+
+@dataclasses.dataclass(frozen=True)
+class GQASupport:
+    """What the EP's ``com.microsoft::GroupQueryAttention`` kernel honours for one dtype."""
+
+    fused_rotary: bool = True
+    """do_rotary=1 with cos/sin caches."""
+    rotary_position_ids: bool = True
+    """Fused rotary reads ``position_ids`` (WebGPU derives positions from seqlens_k)."""
+    interleaved_rotary: bool = True
+    packed_qkv: bool = True
+    softcap: bool = True
+    local_window: bool = True
+    attention_bias: bool = True
+    qk_norm: bool = False
+    """``q_norm_weight``/``k_norm_weight`` inputs are honoured."""
+    head_size_multiple: int = 1
+    rotary_head_size_multiple: int = 1
+    rotary_cache_width_multiple: int = 1
+    chunked_prefill_needs_batch1: bool = False
+    requires_rotary_caches: bool = False
+    """The kernel wants cos/sin inputs present (TRT-RTX)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class OpSupport:
+    """Everything epfuse may emit for one (EP, dtype)."""
+
+    gqa: GQASupport | None = None
+    attention: bool = False
+    """ONNX ``Attention`` (opset 23)."""
+    attention_softcap: bool = False
+    rotary_embedding: bool = False
+    """ONNX ``RotaryEmbedding`` (opset 23)."""
+    ms_rotary_embedding: bool = False
+    """``com.microsoft::RotaryEmbedding``."""
+    mrotary_embedding: bool = False
+    rms_normalization: bool = False
+    simplified_layer_norm: bool = False
+    skip_simplified_layer_norm: bool = False
+    skip_layer_norm: bool = False
+
+    def supported(self) -> list[str]:
+        names = []
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if value:
+                names.append(field.name)
+        return names
+
+
+NOTHING = OpSupport()
+
+
+@dataclasses.dataclass(frozen=True)
+class EPCapabilities:
+    """One execution provider: its names and, per dtype, the ops epfuse may emit."""
+
+    name: str
+    provider: str | None
+    """ONNX Runtime provider name, or None for the portable ``default`` target."""
+    description: str
+    dtypes: Mapping[str, OpSupport]
+    vendor_ops: bool = True
+    """May epfuse emit ``com.microsoft`` ops at all."""
+    notes: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        unknown = set(self.dtypes) - set(DTYPES)
+        if unknown:
+            raise ValueError(f"unknown dtype(s) {sorted(unknown)} in record {self.name!r}")
+        object.__setattr__(self, "dtypes", MappingProxyType(dict(self.dtypes)))
+        if not self.vendor_ops:
+            for dtype, ops in self.dtypes.items():
+                vendor = (
+                    ops.gqa,
+                    ops.ms_rotary_embedding,
+                    ops.mrotary_embedding,
+                    ops.skip_simplified_layer_norm,
+                    ops.skip_layer_norm,
+                    ops.simplified_layer_norm,
+                )
+                if any(vendor):
+                    raise ValueError(
+                        f"{self.name}: vendor op enabled for {dtype} but vendor_ops=False"
+                    )
+
+    def ops(self, dtype: str) -> OpSupport:
+        """What may be emitted for ``dtype``; an absent dtype supports nothing."""
+        return self.dtypes.get(dtype, NOTHING)

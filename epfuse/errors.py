@@ -1,0 +1,21 @@
+"""Errors epfuse raises on purpose; each carries a one-line message fit for a CLI user."""
+
+
+class EpfuseError(Exception):
+    """Base class. ``str(err)`` is a complete one-line explanation."""
+
+
+class ModelLoadError(EpfuseError):
+    """The input is missing, unreadable, not ONNX, or truncated."""
+
+
+class UnknownEPError(EpfuseError, ValueError):
+    """The execution provider name is not in the capability registry."""
+
+
+class UnsupportedModelError(EpfuseError):
+    """The model is valid ONNX but outside what epfuse optimizes (dtype, no attention, ...)."""
+
+
+class ValidationError(EpfuseError):
+    """The rewritten model failed final validation; it is never returned."""

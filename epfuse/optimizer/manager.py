@@ -1,0 +1,170 @@
+"""The pass manager: canonicalize -> select by capability -> lower -> clean up.
+
+Rules are grouped by the op they anchor on; each stage sweeps the graph, offering every node
+to the rules anchored on its op, and repeats until a sweep changes nothing (a fixed point).
+A sweep is linear in the number of nodes, and a rule touches only a bounded neighbourhood, so
+the whole run stays linear in graph size (no multi-output pattern search, no global
+re-optimization between rewrites).
+
+Selection happens between the stages: a lowering rule whose ``requires`` fails for the EP and
+dtype is not run at all, and the report says why. Validation of the result is done by the
+caller (``epfuse.optimizer.api``), which never returns a model that fails it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+
+import onnx_ir as ir
+import onnx_ir.passes.common as common_passes
+
+from epfuse.capabilities import EPCapabilities
+from epfuse.patterns import RULES, Kept, OptimizeOptions, RewriteContext, Rewritten, Rule, Stage
+
+from .report import LayerReport, Report, RuleReport
+
+MAX_SWEEPS = 8
+LAYER_KEY = "epfuse.layer"
+
+
+def _is_attention(node: ir.Node) -> bool:
+    return (node.domain, node.op_type) in (
+        ("", "Attention"),
+        ("com.microsoft", "GroupQueryAttention"),
+    )
+
+
+class PassManager:
+    def __init__(self, rules: tuple[Rule, ...] = RULES):
+        self.rules = rules
+
+    def run(
+        self, model: ir.Model, ep: EPCapabilities, dtype: str, options: OptimizeOptions
+    ) -> Report:
+        start = time.perf_counter()
+        graph = model.graph
+        report = Report(ep=ep.name, dtype=dtype, options={"max_seq_len": options.max_seq_len})
+        report.nodes_before = len(graph)
+        ctx = RewriteContext(model=model, ep=ep, dtype=dtype, options=options)
+        rule_reports = {
+            rule.name: RuleReport(rule.name, rule.stage.value, selected=True) for rule in self.rules
+        }
+
+        self._sweep(ctx, [r for r in self.rules if r.stage is Stage.CANONICALIZE], rule_reports, {})
+        layers = self._label_layers(graph)
+        report.layers = layers
+
+        selected = []
+        for rule in self.rules:
+            if rule.stage is not Stage.LOWER:
+                continue
+            reason = rule.requires(ctx.ops, ep)
+            if reason is None:
+                selected.append(rule)
+            else:
+                rule_reports[rule.name].selected = False
+                rule_reports[rule.name].not_selected_because = reason
+                for layer in layers:
+                    layer.reasons.append(reason)
+        by_layer = {layer.layer: layer for layer in layers}
+        self._sweep(ctx, selected, rule_reports, by_layer)
+
+        self._cleanup(model)
+        report.rules = list(rule_reports.values())
+        report.assumptions = _assumptions(graph, ep, options)
+        report.nodes_after = len(graph)
+        counts: dict[str, int] = defaultdict(int)
+        for node in graph:
+            counts[f"{node.domain + '::' if node.domain else ''}{node.op_type}"] += 1
+        report.ops_after = dict(sorted(counts.items()))
+        report.seconds = time.perf_counter() - start
+        return report
+
+    # ------------------------------------------------------------------ driver
+
+    def _sweep(self, ctx, rules, rule_reports, layers: dict[int, LayerReport]) -> None:
+        by_anchor: dict[tuple[str, str], list[Rule]] = defaultdict(list)
+        for rule in rules:
+            by_anchor[rule.anchor].append(rule)
+        if not by_anchor:
+            return
+        graph = ctx.graph
+        for _ in range(MAX_SWEEPS):
+            changed = False
+            kept_now: dict[tuple[str, int], tuple[ir.Node, str]] = {}
+            for node in list(graph):
+                if node.graph is not graph:
+                    continue  # removed by an earlier rewrite in this sweep
+                for rule in by_anchor.get((node.domain, node.op_type), ()):
+                    outcome = rule.apply(node, ctx)
+                    if outcome is None:
+                        continue
+                    if isinstance(outcome, Kept):
+                        kept_now[(rule.name, id(node))] = (node, outcome.reason)
+                        continue
+                    assert isinstance(outcome, Rewritten)
+                    changed = True
+                    rule_reports[rule.name].rewritten += 1
+                    layer = layers.get(_layer_of(node))
+                    if layer is not None and outcome.layer_result:
+                        layer.result = outcome.layer_result
+                        layer.fused = True
+                        if outcome.note:
+                            layer.notes.append(outcome.note)
+                    break
+            if not changed:
+                for (rule_name, _), (node, reason) in kept_now.items():
+                    rule_reports[rule_name].kept += 1
+                    layer = layers.get(_layer_of(node))
+                    if layer is not None and node.graph is graph:
+                        layer.reasons.append(reason)
+                return
+
+    @staticmethod
+    def _label_layers(graph: ir.Graph) -> list[LayerReport]:
+        layers = []
+        for node in graph:
+            if not _is_attention(node):
+                continue
+            index = len(layers)
+            node.metadata_props[LAYER_KEY] = str(index)
+            result = "Attention (kept)" if node.domain == "" else "GroupQueryAttention (input)"
+            layers.append(LayerReport(layer=index, node=node.name or node.op_type, result=result))
+        return layers
+
+    @staticmethod
+    def _cleanup(model: ir.Model) -> None:
+        for node in model.graph:
+            node.metadata_props.pop(LAYER_KEY, None)
+        for cleanup in (
+            common_passes.RemoveUnusedNodesPass(),
+            common_passes.RemoveUnusedOpsetsPass(),
+            common_passes.TopologicalSortPass(),
+        ):
+            cleanup(model)
+
+
+def _layer_of(node: ir.Node) -> int | None:
+    value = node.metadata_props.get(LAYER_KEY)
+    return int(value) if value is not None else None
+
+
+def _assumptions(graph: ir.Graph, ep: EPCapabilities, options: OptimizeOptions) -> list[str]:
+    gqa = [n for n in graph if n.op_type == "GroupQueryAttention" and n.domain == "com.microsoft"]
+    if not gqa:
+        return []
+    notes = [
+        "attention_mask is right-padded: each row is ones then zeros (left padding is not supported)",
+        "attention_mask length equals past length + new tokens",
+        "outputs and present K/V at padded positions are unspecified",
+    ]
+    if any(n.attributes.get("do_rotary") and n.attributes["do_rotary"].value for n in gqa):
+        notes.append(
+            "on a first prompt (no past) positions are contiguous: position_ids[b] = "
+            "position_ids[b, 0] + arange(seq)"
+        )
+        notes.append(f"total sequence length <= {options.max_seq_len} (rows of the cos/sin caches)")
+    if ep.name == "cpu":
+        notes.append("on the CPU EP, chunked prefill (past > 0 and seq > 1) needs batch 1")
+    return notes

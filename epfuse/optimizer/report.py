@@ -1,0 +1,87 @@
+"""The structured report of one optimization: per attention layer what happened and why,
+which rules ran, and the input contract the optimized model assumes."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+METADATA_KEY = "epfuse.report"
+
+
+@dataclasses.dataclass
+class LayerReport:
+    layer: int
+    node: str
+    result: str = "Attention (kept)"
+    fused: bool = False
+    reasons: list[str] = dataclasses.field(default_factory=list)
+    """Why the layer was kept, or why a feature stayed outside the fused op."""
+    notes: list[str] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class RuleReport:
+    name: str
+    stage: str
+    selected: bool
+    not_selected_because: str | None = None
+    rewritten: int = 0
+    kept: int = 0
+
+
+@dataclasses.dataclass
+class Report:
+    ep: str
+    dtype: str
+    options: dict[str, Any]
+    layers: list[LayerReport] = dataclasses.field(default_factory=list)
+    rules: list[RuleReport] = dataclasses.field(default_factory=list)
+    assumptions: list[str] = dataclasses.field(default_factory=list)
+    nodes_before: int = 0
+    nodes_after: int = 0
+    ops_after: dict[str, int] = dataclasses.field(default_factory=dict)
+    seconds: float = 0.0
+
+    @property
+    def fused_layers(self) -> int:
+        return sum(layer.fused for layer in self.layers)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_json(self, indent: int | None = None) -> str:
+        return json.dumps(self.to_dict(), indent=indent, sort_keys=False)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Report:
+        data = dict(data)
+        data["layers"] = [LayerReport(**x) for x in data.get("layers", [])]
+        data["rules"] = [RuleReport(**x) for x in data.get("rules", [])]
+        return cls(**data)
+
+    def summary(self) -> str:
+        """A readable table for the terminal."""
+        lines = [
+            f"epfuse: {self.ep} / {self.dtype}: {self.fused_layers} of {len(self.layers)} "
+            f"attention layers fused; {self.nodes_before} -> {self.nodes_after} nodes "
+            f"in {self.seconds:.2f}s",
+            "",
+            f"{'layer':>5}  {'result':<36}  details",
+        ]
+        for layer in self.layers:
+            details = "; ".join(layer.notes + layer.reasons) or "-"
+            lines.append(f"{layer.layer:>5}  {layer.result:<36}  {details}")
+        ran = [r for r in self.rules if r.rewritten or r.kept]
+        if ran:
+            lines += ["", "rules:"]
+            for r in ran:
+                lines.append(f"  {r.stage:<12} {r.name:<30} rewrote {r.rewritten}, kept {r.kept}")
+        skipped = [r for r in self.rules if not r.selected]
+        for r in skipped:
+            lines.append(f"  {r.stage:<12} {r.name:<30} not selected: {r.not_selected_because}")
+        if self.assumptions:
+            lines += ["", "the optimized model assumes:"]
+            lines += [f"  - {a}" for a in self.assumptions]
+        return "\n".join(lines)

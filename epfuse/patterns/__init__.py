@@ -1,0 +1,25 @@
+"""Rewrite rules, in two layers: ``canonicalize`` (exporter idioms -> standard ONNX) and
+``lower`` (standard ONNX -> what the chosen EP runs best). ``RULES`` lists them in order."""
+
+from .base import Kept, OptimizeOptions, RewriteContext, Rewritten, Rule, Stage
+from .canonicalize.kv_cache import KVConcatToAttentionPast
+from .canonicalize.repeat_kv import RemoveRepeatKV
+from .canonicalize.rope_caches import RopeCosSinToCaches
+from .lower.gqa import AttentionToGQA
+
+RULES: tuple[Rule, ...] = (
+    RopeCosSinToCaches(),
+    RemoveRepeatKV(),
+    KVConcatToAttentionPast(),
+    AttentionToGQA(),
+)
+
+__all__ = [
+    "RULES",
+    "Kept",
+    "OptimizeOptions",
+    "RewriteContext",
+    "Rewritten",
+    "Rule",
+    "Stage",
+]

@@ -1,0 +1,231 @@
+"""Small graph queries and edits shared by the rules (on top of onnx_ir).
+
+The symbolic shape evaluator answers questions such as "is this Reshape target
+``[batch, seq, heads, head_dim]``?" for shape vectors the exporters build at run time from
+``Shape``/``Concat``/``Squeeze``/``Unsqueeze``/``Gather``/``Add`` nodes. A dimension is an
+``int`` or a hashable symbolic term; two terms are equal when they are the same dimension of
+the same value or carry the same declared ``dim_param`` (ONNX's meaning of a shared name).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import onnx_ir as ir
+
+Dim = Any  # int | tuple (symbolic term)
+
+
+# ---------------------------------------------------------------- constants and attributes
+
+
+def const_array(value: ir.Value | None) -> np.ndarray | None:
+    if value is None:
+        return None
+    tensor = ir.convenience.get_const_tensor(value)
+    if tensor is None:
+        return None
+    return tensor.numpy()
+
+
+def const_ints(value: ir.Value | None) -> list[int] | None:
+    array = const_array(value)
+    if array is None or array.dtype.kind not in "iu":
+        return None
+    return [int(x) for x in array.reshape(-1)]
+
+
+def const_scalar(value: ir.Value | None) -> float | None:
+    array = const_array(value)
+    if array is None or array.size != 1:
+        return None
+    return float(array.reshape(-1)[0])
+
+
+def attr(node: ir.Node, name: str, default: Any = None) -> Any:
+    attribute = node.attributes.get(name)
+    if attribute is None:
+        return default
+    return attribute.value
+
+
+def producer(value: ir.Value | None, op_type: str, domain: str = "") -> ir.Node | None:
+    """The node producing ``value`` if it is ``domain::op_type``."""
+    if value is None:
+        return None
+    node = value.producer()
+    if node is None or node.op_type != op_type or node.domain not in (domain, _alias(domain)):
+        return None
+    return node
+
+
+def _alias(domain: str) -> str:
+    return "ai.onnx" if domain == "" else domain
+
+
+def input_at(node: ir.Node, index: int) -> ir.Value | None:
+    return node.inputs[index] if index < len(node.inputs) else None
+
+
+def only_used_by(value: ir.Value, nodes: Sequence[ir.Node]) -> bool:
+    allowed = {id(n) for n in nodes}
+    return not value.is_graph_output() and all(id(use.node) in allowed for use in value.uses())
+
+
+# ---------------------------------------------------------------- edits
+
+
+def replace_value(old: ir.Value, new: ir.Value) -> None:
+    """Make every consumer and graph output of ``old`` use ``new``.
+
+    When ``old`` is a graph output, ``new`` takes over its name so the model's signature
+    is unchanged.
+    """
+    if old.is_graph_output():
+        name = old.name
+        old.name = None
+        new.name = name
+    old.replace_all_uses_with(new, replace_graph_outputs=True)
+
+
+def ensure_opset(model: ir.Model, domain: str, version: int) -> None:
+    if domain not in model.opset_imports:
+        model.opset_imports[domain] = version
+        model.graph.opset_imports[domain] = version
+
+
+def initializer(graph: ir.Graph, name: str, array: np.ndarray) -> ir.Value:
+    """Register a new initializer with a unique name."""
+    base, n = name, 0
+    while name in graph.initializers:
+        n += 1
+        name = f"{base}_{n}"
+    value = ir.Value(
+        name=name,
+        shape=ir.Shape(array.shape),
+        type=ir.TensorType(ir.DataType.from_numpy(array.dtype)),
+        const_value=ir.tensor(array, name=name),
+    )
+    graph.register_initializer(value)
+    return value
+
+
+class Builder:
+    """Appends nodes just before an anchor node, naming them after a prefix."""
+
+    def __init__(self, graph: ir.Graph, before: ir.Node, prefix: str):
+        self.graph = graph
+        self.before = before
+        self.prefix = prefix
+        self.nodes: list[ir.Node] = []
+
+    def op(
+        self,
+        op_type: str,
+        inputs: Sequence[ir.Value | None],
+        attributes: dict[str, Any] | None = None,
+        *,
+        domain: str = "",
+        num_outputs: int = 1,
+        name: str | None = None,
+    ) -> ir.Value | tuple[ir.Value, ...]:
+        node = ir.node(
+            op_type,
+            inputs,
+            attributes or {},
+            domain=domain,
+            num_outputs=num_outputs,
+            name=f"{self.prefix}/{name or op_type}_{len(self.nodes)}",
+        )
+        for i, out in enumerate(node.outputs):
+            out.name = f"{node.name}_out{i}"
+        self.graph.insert_before(self.before, node)
+        self.nodes.append(node)
+        return node.outputs[0] if num_outputs == 1 else tuple(node.outputs)
+
+    def const(self, name: str, array: np.ndarray) -> ir.Value:
+        return initializer(self.graph, f"{self.prefix}/{name}", array)
+
+
+# ---------------------------------------------------------------- symbolic shapes
+
+
+def dim(value: ir.Value, axis: int) -> Dim:
+    """A term for ``value.shape[axis]``: an int, a declared name, or (value, axis)."""
+    shape = value.shape
+    if shape is not None:
+        if axis < 0:
+            axis += len(shape)
+        d = shape[axis] if 0 <= axis < len(shape) else None
+        if isinstance(d, int):
+            return d
+        if d is not None and getattr(d, "value", None):
+            return ("sym", d.value)
+    return ("dim", id(value), axis)
+
+
+def rank(value: ir.Value) -> int | None:
+    return None if value.shape is None else len(value.shape)
+
+
+def shape_vector(value: ir.Value | None, _depth: int = 0) -> list[Dim] | None:
+    """Evaluate a 1-D int64 shape vector (or scalar, as a 1-list) symbolically."""
+    if value is None or _depth > 12:
+        return None
+    ints = const_ints(value)
+    if ints is not None:
+        return ints
+    node = value.producer()
+    if node is None:
+        return None
+    op = node.op_type
+    if op == "Shape":
+        src = node.inputs[0]
+        r = rank(src)
+        if r is None:
+            return None
+        start = attr(node, "start", 0)
+        end = attr(node, "end", r)
+        start = max(0, start + r if start < 0 else start)
+        end = min(r, end + r if end < 0 else end)
+        return [dim(src, i) for i in range(start, end)]
+    if op in ("Squeeze", "Unsqueeze", "Identity", "Cast", "Reshape"):
+        # Flat view: these only change the rank of a shape vector or scalar.
+        return shape_vector(node.inputs[0], _depth + 1)
+    if op == "Concat":
+        out: list[Dim] = []
+        for v in node.inputs:
+            part = shape_vector(v, _depth + 1)
+            if part is None:
+                return None
+            out.extend(part)
+        return out
+    if op == "Gather":
+        data = shape_vector(node.inputs[0], _depth + 1)
+        idx = const_ints(node.inputs[1])
+        if data is None or idx is None:
+            return None
+        try:
+            return [data[i] for i in idx]
+        except IndexError:
+            return None
+    if op in ("Add", "Sub", "Mul"):
+        a = shape_vector(node.inputs[0], _depth + 1)
+        b = shape_vector(node.inputs[1], _depth + 1)
+        if a is None or b is None or len(a) != 1 or len(b) != 1:
+            return None
+        x, y = a[0], b[0]
+        if isinstance(x, int) and isinstance(y, int):
+            return [{"Add": x + y, "Sub": x - y, "Mul": x * y}[op]]
+        if op == "Add" and y == 0:
+            return [x]
+        if op in ("Add", "Mul"):
+            x, y = sorted((x, y), key=repr)
+        return [(op, x, y)]
+    return None
+
+
+def same_dim(a: Dim, b: Dim) -> bool:
+    return a == b

@@ -1,0 +1,111 @@
+"""Moving attention tensors between the (B, N, S, H) and (B, S, N*H) layouts.
+
+Exporters produce BNSH by ``Transpose(Reshape(x, [B, S, N, H]), perm=[0, 2, 1, 3])`` and
+return to BSD by the mirror image. GroupQueryAttention wants BSD; when the mirror image is
+present it is reused, otherwise the transposes are inserted (and remain correct).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_ir as ir
+
+from ._graph import Builder, attr, dim, producer, shape_vector
+
+_BNSH = [0, 2, 1, 3]
+
+
+def last_dim(value: ir.Value) -> int | None:
+    """Static size of the last axis, from the shape or a MatMul/Add by a constant weight."""
+    d = dim(value, -1) if value.shape is not None else None
+    if isinstance(d, int):
+        return d
+    node = value.producer()
+    if node is None:
+        return None
+    if node.op_type == "MatMul" and node.inputs[1] is not None:
+        w = node.inputs[1].shape
+        if w is not None and len(w) >= 2 and isinstance(w[-1], int):
+            return w[-1]
+    if node.op_type in ("Add", "Mul", "Cast", "Identity"):
+        for operand in node.inputs:
+            if operand is not None and operand.shape is not None and len(operand.shape) >= 2:
+                found = last_dim(operand)
+                if found is not None:
+                    return found
+        for operand in node.inputs:
+            if operand is not None and operand.const_value is None:
+                found = last_dim(operand)
+                if found is not None:
+                    return found
+    return None
+
+
+def bnsh_source(value: ir.Value, heads: int, head_size: int) -> ir.Value | None:
+    """x when ``value = Transpose(Reshape(x, [B, S, heads, head_size]), [0, 2, 1, 3])``."""
+    transpose = producer(value, "Transpose")
+    if transpose is None or list(attr(transpose, "perm", [])) != _BNSH:
+        return None
+    reshape = producer(transpose.inputs[0], "Reshape")
+    if reshape is None:
+        return None
+    x = reshape.inputs[0]
+    if x.shape is not None and len(x.shape) != 3:
+        return None
+    target = shape_vector(reshape.inputs[1])
+    width = last_dim(x)
+    if target is None or len(target) != 4 or width != heads * head_size:
+        return None
+    if target[3] != head_size or target[2] not in (heads, -1):
+        return None
+    allowzero = attr(reshape, "allowzero", 0)
+    for axis in (0, 1):
+        got = target[axis]
+        if isinstance(got, int) and not (got == 0 and not allowzero):
+            known = dim(x, axis)
+            if known != got:
+                return None
+        elif not isinstance(got, int):
+            known = dim(x, axis)
+            if isinstance(known, int) or (known[0] == "sym" and got != known and got[0] == "sym"):
+                return None
+    return x
+
+
+def to_bsd(builder: Builder, value: ir.Value, heads: int, head_size: int) -> ir.Value:
+    source = bnsh_source(value, heads, head_size)
+    if source is not None:
+        return source
+    t = builder.op("Transpose", [value], {"perm": _BNSH})
+    shape = builder.const("bsd_shape", np.array([0, 0, heads * head_size], dtype=np.int64))
+    return builder.op("Reshape", [t, shape])
+
+
+def bsd_consumer(y: ir.Value, width: int) -> ir.Value | None:
+    """The (B, S, N*H) value when y (B, N, S, H) is only read through Transpose + Reshape."""
+    uses = list(y.uses())
+    if len(uses) != 1 or y.is_graph_output():
+        return None
+    transpose = uses[0].node
+    if transpose.op_type != "Transpose" or list(attr(transpose, "perm", [])) != _BNSH:
+        return None
+    t_uses = list(transpose.outputs[0].uses())
+    if len(t_uses) != 1 or transpose.outputs[0].is_graph_output():
+        return None
+    reshape = t_uses[0].node
+    if reshape.op_type != "Reshape" or t_uses[0].idx != 0:
+        return None
+    target = shape_vector(reshape.inputs[1])
+    if target is None or len(target) != 3 or target[2] not in (width, -1):
+        return None
+    allowzero = attr(reshape, "allowzero", 0)
+    for got in target[:2]:
+        if isinstance(got, int) and not (got == 0 and not allowzero):
+            return None
+    return reshape.outputs[0]
+
+
+def from_bsd(builder: Builder, value: ir.Value, heads: int, head_size: int) -> ir.Value:
+    shape = builder.const("bnsh_shape", np.array([0, 0, heads, head_size], dtype=np.int64))
+    r = builder.op("Reshape", [value, shape])
+    return builder.op("Transpose", [r], {"perm": _BNSH})

@@ -1,0 +1,86 @@
+"""The rule protocol shared by every rewrite, and the context a rule runs in.
+
+A rule is anchored on one op type. The driver (``epfuse.optimizer.manager``) offers it each
+node of that type; the rule answers with one of three outcomes:
+
+* ``None`` — not its business (the node is not the shape it rewrites); nothing is recorded;
+* :class:`Kept` — the node *is* its shape, but the rewrite cannot be proven safe for this EP
+  or this graph; the reason goes into the report and the graph is left untouched;
+* :class:`Rewritten` — the graph was changed; a short note goes into the report.
+
+A rule must not modify the graph unless it returns ``Rewritten``: checks come first.
+Each rule declares ``requires(ops)`` — what it needs of the EP for the model's dtype — so the
+pass manager can select rules by capability and say why one was not selected.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import onnx_ir as ir
+
+if TYPE_CHECKING:
+    from epfuse.capabilities import EPCapabilities, OpSupport
+
+
+class Stage(enum.Enum):
+    CANONICALIZE = "canonicalize"
+    LOWER = "lower"
+
+
+@dataclasses.dataclass(frozen=True)
+class Kept:
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Rewritten:
+    note: str = ""
+    layer_result: str | None = None
+    """For attention rules: what the layer became (e.g. ``GroupQueryAttention(do_rotary=1)``)."""
+
+
+Outcome = Kept | Rewritten | None
+
+
+@dataclasses.dataclass
+class OptimizeOptions:
+    max_seq_len: int = 4096
+    """Rows of the constant cos/sin caches made from run-time RoPE; longer sequences fail in ORT."""
+
+
+@dataclasses.dataclass
+class RewriteContext:
+    model: ir.Model
+    ep: EPCapabilities
+    dtype: str
+    options: OptimizeOptions
+    cache: dict[Any, Any] = dataclasses.field(default_factory=dict)
+    """Per-run memo for values built once per graph (seqlens_k, total length, ...)."""
+
+    @property
+    def graph(self) -> ir.Graph:
+        return self.model.graph
+
+    @property
+    def ops(self) -> OpSupport:
+        return self.ep.ops(self.dtype)
+
+
+class Rule:
+    """Base class of all rewrite rules. Subclasses set the class attributes and ``apply``."""
+
+    name: ClassVar[str]
+    stage: ClassVar[Stage]
+    anchor: ClassVar[tuple[str, str]]
+    """(domain, op_type) of the nodes offered to ``apply``; domain "" is ONNX."""
+    description: ClassVar[str] = ""
+
+    def requires(self, ops: OpSupport, ep: EPCapabilities) -> str | None:
+        """None when the EP can take this rule's output for the dtype, else why not."""
+        return None
+
+    def apply(self, node: ir.Node, ctx: RewriteContext) -> Outcome:
+        raise NotImplementedError

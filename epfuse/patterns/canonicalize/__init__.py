@@ -1,0 +1,1 @@
+"""Canonicalize: lift exporter idioms into standard ONNX ops, whatever the target EP."""

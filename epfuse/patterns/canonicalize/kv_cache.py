@@ -1,0 +1,69 @@
+"""KV concat into Attention's past inputs:
+``Attention(q, Concat(past_k, k, axis=-2), Concat(past_v, v, axis=-2), mask)`` becomes
+``Attention(q, k, v, mask, past_k, past_v) -> (y, present_k, present_v)``.
+
+ONNX Attention defines ``present = Concat(past, new)`` on the sequence axis, so the concat
+outputs are replaced by the Attention's presents and keep their names (they are usually the
+model's ``present.*`` outputs).
+"""
+
+from __future__ import annotations
+
+import onnx_ir as ir
+
+from .._graph import attr, input_at, producer, replace_value
+from ..base import Kept, RewriteContext, Rewritten, Rule, Stage
+
+
+def _split_concat(value: ir.Value) -> tuple[ir.Value, ir.Value, ir.Value] | None:
+    concat = producer(value, "Concat")
+    if concat is None or len(concat.inputs) != 2 or attr(concat, "axis") not in (2, -2):
+        return None
+    past, new = concat.inputs
+    if past is None or new is None:
+        return None
+    return past, new, concat.outputs[0]
+
+
+class KVConcatToAttentionPast(Rule):
+    name = "kv-concat-to-attention-past"
+    stage = Stage.CANONICALIZE
+    anchor = ("", "Attention")
+    description = "Concat(past, new) feeding Attention -> Attention past/present"
+
+    def apply(self, node: ir.Node, ctx: RewriteContext):
+        if input_at(node, 4) is not None or input_at(node, 5) is not None:
+            return None
+        k_parts, v_parts = _split_concat(input_at(node, 1)), _split_concat(input_at(node, 2))
+        if k_parts is None or v_parts is None:
+            return None
+        past_k, new_k, present_k = k_parts
+        past_v, new_v, present_v = v_parts
+        for past in (past_k, past_v):
+            if past.shape is not None and len(past.shape) != 4:
+                return Kept("KV cache is not rank 4 (batch, heads, seq, head_size)")
+        if len(node.outputs) > 1 and any(
+            out.uses() or out.is_graph_output() for out in node.outputs[1:]
+        ):
+            return Kept("Attention already has used present or qk outputs")
+        inputs = [node.inputs[0], new_k, new_v, input_at(node, 3), past_k, past_v]
+        fused = ir.node(
+            "Attention",
+            inputs,
+            {name: a for name, a in node.attributes.items()},
+            num_outputs=3,
+            name=node.name,
+            metadata_props=dict(node.metadata_props),
+        )
+        ctx.graph.insert_before(node, fused)
+        y, new_present_k, new_present_v = fused.outputs
+        y.name, y.shape, y.type = node.outputs[0].name, node.outputs[0].shape, node.outputs[0].type
+        node.outputs[0].name = None
+        replace_value(node.outputs[0], y)
+        for old, new in ((present_k, new_present_k), (present_v, new_present_v)):
+            new.shape, new.type = old.shape, old.type
+            if old.name and not old.is_graph_output():
+                new.name, old.name = old.name, None
+            replace_value(old, new)
+        ctx.graph.remove(node, safe=True)
+        return Rewritten("KV concat moved into Attention past/present")

@@ -1,0 +1,145 @@
+"""Run-time cos/sin into constant caches: ``RotaryEmbedding(x, cos, sin)`` whose per-token
+``cos``/``sin`` are computed as ``Cos/Sin(Cast(position_ids[..., None]) * inv_freq)``
+becomes ``RotaryEmbedding(x, cos_cache, sin_cache, position_ids)``.
+
+The caches have ``max_seq_len`` rows and are computed once, in float64, from the graph's own
+``inv_freq`` constant (and constant output scale, Hugging Face's ``attention_scaling``), then
+cast to the model dtype. Before rewriting, the original subgraph is evaluated on ORT at a
+spread of positions and must agree with the cache: the interpretation is proven, not assumed.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_ir as ir
+
+from .._evaluate import SubgraphEvaluator
+from .._graph import Builder, const_array, const_scalar, input_at, producer
+from ..base import Kept, RewriteContext, Rewritten, Rule, Stage
+
+
+def _trace_trig(value: ir.Value, trig: str):
+    """value = [Mul(scale)] [Cast] trig(freqs) -> (freqs, scale)."""
+    scale = 1.0
+    node = value.producer()
+    if node is not None and node.op_type == "Mul":
+        for a, b in ((0, 1), (1, 0)):
+            s = const_scalar(node.inputs[b])
+            if s is not None:
+                scale, value = s, node.inputs[a]
+                break
+        else:
+            return None
+    cast = producer(value, "Cast")
+    if cast is not None:
+        value = cast.inputs[0]
+    trig_node = producer(value, trig)
+    if trig_node is None:
+        return None
+    return trig_node.inputs[0], scale
+
+
+def _trace_freqs(freqs: ir.Value):
+    """freqs = Mul(Cast(Unsqueeze(positions, -1)), inv_freq) -> (positions, inv_freq)."""
+    mul = producer(freqs, "Mul")
+    if mul is None:
+        return None
+    for a, b in ((0, 1), (1, 0)):
+        inv_freq = const_array(mul.inputs[b])
+        if inv_freq is None or inv_freq.ndim != 1 or inv_freq.dtype.kind != "f":
+            continue
+        cast = producer(mul.inputs[a], "Cast")
+        unsq = producer(cast.inputs[0] if cast else mul.inputs[a], "Unsqueeze")
+        if unsq is None:
+            continue
+        axes = const_array(input_at(unsq, 1))
+        positions = unsq.inputs[0]
+        if axes is None or axes.reshape(-1).tolist() not in ([-1], [2]):
+            continue
+        if positions.dtype not in (ir.DataType.INT64, ir.DataType.INT32):
+            continue
+        if positions.shape is not None and len(positions.shape) != 2:
+            continue
+        return positions, inv_freq
+    return None
+
+
+class RopeCosSinToCaches(Rule):
+    name = "rope-cos-sin-to-caches"
+    stage = Stage.CANONICALIZE
+    anchor = ("", "RotaryEmbedding")
+    description = (
+        "run-time cos/sin from position_ids x inv_freq -> constant (max_seq_len, R/2) caches"
+    )
+
+    def apply(self, node: ir.Node, ctx: RewriteContext):
+        if input_at(node, 3) is not None:
+            return None  # already the cache form
+        x, cos, sin = node.inputs[0], input_at(node, 1), input_at(node, 2)
+        if cos is None or sin is None or cos.const_value is not None:
+            return None
+        traced_cos, traced_sin = _trace_trig(cos, "Cos"), _trace_trig(sin, "Sin")
+        if traced_cos is None or traced_sin is None:
+            return None
+        (freqs_c, scale_c), (freqs_s, scale_s) = traced_cos, traced_sin
+        if scale_c != scale_s:
+            return Kept("cos and sin are scaled differently")
+        traced = _trace_freqs(freqs_c)
+        if traced is None or _trace_freqs(freqs_s) is None:
+            return Kept("cos/sin are computed from positions in a form not recognized")
+        positions, inv_freq = traced
+        if _trace_freqs(freqs_s)[0] is not positions:
+            return Kept("cos and sin read different positions")
+        dtype = x.dtype
+        if dtype is None:
+            return Kept("the rotated input has no known dtype")
+        caches = _caches(ctx, inv_freq, scale_c, dtype, node, cos, sin, positions)
+        if isinstance(caches, str):
+            return Kept(caches)
+        cos_cache, sin_cache = caches
+        node.replace_input_with(1, cos_cache)
+        node.replace_input_with(2, sin_cache)
+        node.resize_inputs(4)
+        node.replace_input_with(3, positions)
+        return Rewritten(f"cos/sin caches of {cos_cache.shape[0]} positions")
+
+
+def _caches(ctx, inv_freq, scale, dtype, node, cos, sin, positions):
+    max_len = ctx.options.max_seq_len
+    key = ("rope-cache", inv_freq.tobytes(), scale, dtype, max_len)
+    if key in ctx.cache:
+        return ctx.cache[key]
+    angles = np.arange(max_len, dtype=np.float64)[:, None] * inv_freq.astype(np.float64)[None, :]
+    np_dtype = dtype.numpy()
+    cos_np = (np.cos(angles) * scale).astype(np_dtype)
+    sin_np = (np.sin(angles) * scale).astype(np_dtype)
+    reason = _prove(ctx.graph, cos, sin, positions, cos_np, sin_np, max_len)
+    if reason:
+        ctx.cache[key] = reason
+        return reason
+    builder = Builder(ctx.graph, node, "epfuse/rope")
+    result = (builder.const("cos_cache", cos_np), builder.const("sin_cache", sin_np))
+    ctx.cache[key] = result
+    return result
+
+
+def _prove(graph, cos, sin, positions, cos_np, sin_np, max_len) -> str | None:
+    """Evaluate the original cos/sin on sampled positions; they must match the caches."""
+    try:
+        evaluator = SubgraphEvaluator(graph, [cos, sin], inputs=[positions])
+    except Exception as err:
+        return f"the cos/sin subgraph could not be evaluated ({type(err).__name__})"
+    if evaluator.input_names != [positions.name]:
+        return "cos/sin depend on more than the positions"
+    sample = np.unique(np.linspace(0, max_len - 1, num=min(max_len, 97)).astype(np.int64))
+    feeds = {positions.name: sample[None, :].astype(positions.dtype.numpy())}
+    got_cos, got_sin = evaluator(feeds)
+    tol = 1e-6 + 2e-7 * max_len  # float32 angle rounding grows with the position
+    if cos_np.dtype != np.float32:
+        tol = max(tol, 2e-3)
+    for got, ref in ((got_cos, cos_np), (got_sin, sin_np)):
+        ref64 = ref[sample].astype(np.float64)
+        got64 = np.asarray(got, dtype=np.float64).reshape(ref64.shape)
+        if not np.allclose(got64, ref64, atol=tol, rtol=0):
+            return "the run-time cos/sin do not match caches built from inv_freq"
+    return None

@@ -1,0 +1,291 @@
+"""ONNX ``Attention`` (+ ``RotaryEmbedding`` on Q and K) -> ``com.microsoft::GroupQueryAttention``.
+
+Preconditions, each checked before anything changes (a failed one keeps the layer and names
+the reason in the report):
+
+* the EP's record has GQA for the model dtype, and the softcap / sliding window the layer
+  needs;
+* the mask is *proven* (``mask_analysis``) to be causal + right padding from a 2-D
+  ``attention_mask`` (optionally with one sliding window), so that ``seqlens_k`` and
+  ``local_window_size`` express it exactly;
+* Q, K, V are (B, N, S, H) or (B, S, N*H) with static head counts and head size.
+
+RoPE: when Q and K are rotated by the same canonical ``RotaryEmbedding`` (constant caches and
+``position_ids``) and the EP's fused rotary can take it (dtype, head-size and cache-width
+limits, interleaving, positions read from ``position_ids``), the rotation moves into GQA with
+``do_rotary=1``. Otherwise the rotation stays in the graph and GQA runs with ``do_rotary=0``
+on the rotated Q and K — always correct — and the report says why.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import onnx_ir as ir
+
+from .._graph import (
+    Builder,
+    attr,
+    const_array,
+    ensure_opset,
+    input_at,
+    producer,
+    replace_value,
+)
+from .._layout import bsd_consumer, from_bsd, last_dim, to_bsd
+from ..base import Kept, RewriteContext, Rewritten, Rule, Stage
+from ..mask_analysis import ProvenMask, analyze_mask
+
+
+class _Rope:
+    def __init__(self, node: ir.Node):
+        self.node = node
+        self.source = node.inputs[0]
+        self.cos, self.sin = input_at(node, 1), input_at(node, 2)
+        self.positions = input_at(node, 3)
+        self.interleaved = bool(attr(node, "interleaved", 0))
+        self.rotary_dim = int(attr(node, "rotary_embedding_dim", 0))
+
+    def caches(self):
+        return const_array(self.cos), const_array(self.sin)
+
+    def same_as(self, other: _Rope) -> bool:
+        if (self.interleaved, self.rotary_dim) != (other.interleaved, other.rotary_dim):
+            return False
+        if self.positions is not other.positions:
+            return False
+        if self.cos is other.cos and self.sin is other.sin:
+            return True
+        (c1, s1), (c2, s2) = self.caches(), other.caches()
+        return all(a is not None for a in (c1, s1, c2, s2)) and (
+            np.array_equal(c1, c2) and np.array_equal(s1, s2)
+        )
+
+
+def _heads(node: ir.Node, q: ir.Value, k: ir.Value, past_k: ir.Value | None):
+    """(num_heads, kv_heads, head_size, layout_rank) or a reason."""
+    rank = len(q.shape) if q.shape is not None else None
+    q_heads, kv_heads = attr(node, "q_num_heads"), attr(node, "kv_num_heads")
+    if q_heads is not None and kv_heads is not None:
+        width = last_dim(q)
+        if width is None or width % q_heads:
+            return "cannot determine the head size"
+        return q_heads, kv_heads, width // q_heads, 3
+    for source in (past_k, k):
+        if source is not None and source.shape is not None and len(source.shape) == 4:
+            kvh, hs = source.shape[1], source.shape[3]
+            if isinstance(kvh, int) and isinstance(hs, int):
+                break
+    else:
+        kvh = hs = None
+    qh = q.shape[1] if q.shape is not None and rank == 4 else None
+    if not isinstance(qh, int):
+        qh = _heads_from_producer(q, hs)
+    if not all(isinstance(x, int) for x in (qh, kvh, hs)):
+        return "cannot determine head counts and head size statically"
+    return qh, kvh, hs, 4
+
+
+def _heads_from_producer(q: ir.Value, head_size: int | None) -> int | None:
+    node = q.producer()
+    while node is not None and node.op_type in ("RotaryEmbedding", "Transpose"):
+        node = node.inputs[0].producer()
+    if node is None or node.op_type != "Reshape" or head_size is None:
+        return None
+    width = last_dim(node.inputs[0])
+    return width // head_size if width and width % head_size == 0 else None
+
+
+class AttentionToGQA(Rule):
+    name = "attention-to-gqa"
+    stage = Stage.LOWER
+    anchor = ("", "Attention")
+    description = "Attention (+RoPE, KV cache, causal+padding mask) -> GroupQueryAttention"
+
+    def requires(self, ops, ep):
+        if ops.gqa is None:
+            return f"{ep.name} has no GroupQueryAttention for this dtype"
+        return None
+
+    def apply(self, node: ir.Node, ctx: RewriteContext):
+        gqa_caps = ctx.ops.gqa
+        if gqa_caps is None:
+            return Kept(f"{ctx.ep.name} has no GroupQueryAttention for {ctx.dtype}")
+        q, k, v = node.inputs[0], input_at(node, 1), input_at(node, 2)
+        past_k, past_v = input_at(node, 4), input_at(node, 5)
+        if k is None or v is None or (past_k is None) != (past_v is None):
+            return Kept("Attention inputs are not Q, K, V with a matching past")
+        if len(node.inputs) > 6 and node.inputs[6] is not None:
+            return Kept("nonpad_kv_seqlen is not expressible in GroupQueryAttention")
+        if len(node.outputs) > 3 and (node.outputs[3].uses() or node.outputs[3].is_graph_output()):
+            return Kept("the qk_matmul output is used")
+        heads = _heads(node, q, k, past_k)
+        if isinstance(heads, str):
+            return Kept(heads)
+        num_heads, kv_heads, head_size, rank = heads
+        if num_heads % kv_heads:
+            return Kept("query heads are not a multiple of KV heads")
+        if head_size % gqa_caps.head_size_multiple:
+            return Kept(
+                f"head size {head_size} is not a multiple of {gqa_caps.head_size_multiple} "
+                f"on {ctx.ep.name}"
+            )
+        softcap = float(attr(node, "softcap", 0.0) or 0.0)
+        if softcap and not gqa_caps.softcap:
+            return Kept(f"{ctx.ep.name}'s GroupQueryAttention does not apply softcap")
+        mask = analyze_mask(node, ctx.graph, ctx.options.max_seq_len, ctx.cache)
+        if isinstance(mask, str):
+            return Kept(f"mask not proven: {mask}")
+        if mask.window is not None and not gqa_caps.local_window:
+            return Kept(f"{ctx.ep.name}'s GroupQueryAttention does not honour a sliding window")
+        scale = attr(node, "scale")
+        scale = float(scale) if scale is not None else 1.0 / math.sqrt(head_size)
+
+        rope_plan = self._plan_rope(q, k, head_size, ctx)
+        builder = Builder(ctx.graph, node, f"epfuse/{node.name or 'attention'}")
+        if rope_plan.fused:
+            q_in, k_in = rope_plan.q.source, rope_plan.k.source
+        else:
+            q_in, k_in = q, k
+        if rank == 4:
+            q_in = to_bsd(builder, q_in, num_heads, head_size)
+            k_in = to_bsd(builder, k_in, kv_heads, head_size)
+            v_in = to_bsd(builder, v, kv_heads, head_size)
+        else:
+            v_in = v
+        seqlens_k, total_len = _sequence_inputs(ctx, builder, mask)
+        inputs = [q_in, k_in, v_in, past_k, past_v, seqlens_k, total_len]
+        attributes = {"num_heads": num_heads, "kv_num_heads": kv_heads, "scale": scale}
+        if softcap:
+            attributes["softcap"] = softcap
+        if mask.window is not None:
+            attributes["local_window_size"] = int(mask.window)
+        if rope_plan.fused:
+            rope = rope_plan.q
+            inputs += [rope.cos, rope.sin, rope.positions]
+            attributes["do_rotary"] = 1
+            attributes["rotary_interleaved"] = int(rope.interleaved)
+        else:
+            attributes["do_rotary"] = 0
+        ensure_opset(ctx.model, "com.microsoft", 1)
+        gqa = ir.node(
+            "GroupQueryAttention",
+            inputs,
+            attributes,
+            domain="com.microsoft",
+            num_outputs=3,
+            name=f"{node.name or 'attention'}/GroupQueryAttention",
+            metadata_props=dict(node.metadata_props),
+        )
+        ctx.graph.insert_before(node, gqa)
+        out, present_k, present_v = gqa.outputs
+        out.name = f"{gqa.name}/output"
+        y = node.outputs[0]
+        reshaped = bsd_consumer(y, num_heads * head_size) if rank == 4 else y
+        if reshaped is not None:
+            replace_value(reshaped, out)
+            reshape_node = reshaped.producer()
+            transpose_node = reshape_node.inputs[0].producer()
+            ctx.graph.remove([reshape_node, transpose_node], safe=True)
+        else:
+            replace_value(y, from_bsd(builder, out, num_heads, head_size))
+        for index, new in ((1, present_k), (2, present_v)):
+            old = node.outputs[index] if len(node.outputs) > index else None
+            if old is not None:
+                new.shape, new.type = old.shape, old.type
+                if old.name and not old.is_graph_output():
+                    new.name, old.name = old.name, None
+                replace_value(old, new)
+            else:
+                new.name = f"{gqa.name}/present_{index}"
+        ctx.graph.remove(node, safe=True)
+        if rope_plan.fused:
+            result = "GroupQueryAttention(do_rotary=1)"
+        else:
+            result = "GroupQueryAttention(do_rotary=0)"
+        extras = [mask.describe()]
+        if softcap:
+            extras.append(f"softcap {softcap:g}")
+        if rope_plan.reason:
+            extras.append(f"RoPE kept outside: {rope_plan.reason}")
+        return Rewritten("; ".join(extras), layer_result=result)
+
+    def _plan_rope(self, q: ir.Value, k: ir.Value, head_size: int, ctx: RewriteContext):
+        caps = ctx.ops.gqa
+        q_node, k_node = producer(q, "RotaryEmbedding"), producer(k, "RotaryEmbedding")
+        if q_node is None and k_node is None:
+            return _RopePlan(False, None, None, None)
+        if q_node is None or k_node is None:
+            return _RopePlan(False, None, None, "only one of Q and K is rotated")
+        rq, rk = _Rope(q_node), _Rope(k_node)
+        if not rq.same_as(rk):
+            return _RopePlan(False, rq, rk, "Q and K are rotated differently")
+        cos, sin = rq.caches()
+        if cos is None or sin is None or rq.positions is None:
+            return _RopePlan(False, rq, rk, "cos/sin are not constant caches with position_ids")
+        if cos.ndim != 2 or sin.shape != cos.shape:
+            return _RopePlan(False, rq, rk, "cos/sin caches are not (max_len, rotary_dim/2)")
+        pos = rq.positions
+        if pos.shape is not None and len(pos.shape) != 2:
+            return _RopePlan(False, rq, rk, "positions are not (batch, seq)")
+        width = cos.shape[1]
+        rotary_dim = rq.rotary_dim or head_size
+        if rotary_dim != 2 * width:
+            return _RopePlan(False, rq, rk, "rotary_embedding_dim disagrees with the cache width")
+        if not caps.fused_rotary:
+            return _RopePlan(False, rq, rk, f"{ctx.ep.name}'s GQA has no fused rotary")
+        if not caps.rotary_position_ids:
+            return _RopePlan(False, rq, rk, f"{ctx.ep.name}'s fused rotary ignores position_ids")
+        if rq.interleaved and not caps.interleaved_rotary:
+            return _RopePlan(False, rq, rk, f"{ctx.ep.name}'s fused rotary is not interleaved")
+        if head_size % caps.rotary_head_size_multiple:
+            return _RopePlan(
+                False,
+                rq,
+                rk,
+                f"head size {head_size} is not a multiple of {caps.rotary_head_size_multiple} "
+                "for fused rotary",
+            )
+        if width % caps.rotary_cache_width_multiple or width > head_size // 2:
+            return _RopePlan(
+                False, rq, rk, f"cos/sin width {width} is not accepted by fused rotary"
+            )
+        if pos.dtype != ir.DataType.INT64:
+            return _RopePlan(False, rq, rk, "position_ids are not int64")
+        for rope in (rq, rk):
+            if any(use.node is not rope.node.outputs[0].producer() for use in ()):
+                pass
+        return _RopePlan(True, rq, rk, None)
+
+
+class _RopePlan:
+    def __init__(self, fused: bool, q: _Rope | None, k: _Rope | None, reason: str | None):
+        self.fused, self.q, self.k, self.reason = fused, q, k, reason
+
+
+def _sequence_inputs(ctx: RewriteContext, builder: Builder, mask: ProvenMask):
+    """seqlens_k = ReduceSum(mask) - 1 and total_sequence_length, built once per graph."""
+    key = ("gqa-seqlens", id(mask.attention_mask))
+    if key in ctx.cache:
+        return ctx.cache[key]
+    graph = ctx.graph
+    am = mask.attention_mask
+    first = graph.node(0) if len(graph) else builder.before
+    b = Builder(graph, first, "epfuse/seqlens")
+    am_int = (
+        am
+        if am.dtype in (ir.DataType.INT64, ir.DataType.INT32)
+        else b.op("Cast", [am], {"to": ir.DataType.INT64})
+    )
+    axes = b.const("axis1", np.array([1], dtype=np.int64))
+    summed = b.op("ReduceSum", [am_int, axes], {"keepdims": 0})
+    one = b.const("one", np.array(1, dtype=am_int.dtype.numpy() if am_int.dtype else np.int64))
+    seqlens = b.op("Cast", [b.op("Sub", [summed, one])], {"to": ir.DataType.INT32})
+    seqlens.name = "epfuse_seqlens_k"
+    shape = b.op("Shape", [am], {"start": 1, "end": 2})
+    squeezed = b.op("Squeeze", [shape])
+    total = b.op("Cast", [squeezed], {"to": ir.DataType.INT32})
+    total.name = "epfuse_total_sequence_length"
+    ctx.cache[key] = (seqlens, total)
+    return seqlens, total

@@ -1,0 +1,213 @@
+"""Prove, by evaluating the graph, which mask an attention layer applies.
+
+Exporters build the attention mask from the 2-D ``attention_mask`` input with dozens of index
+ops (And/LessOrEqual/GatherND/Expand at opset 23, Where/arithmetic forms at opset 18). Rather
+than match each form, the mask subgraph is checked to read graph inputs only as allowed (one
+rank-2 integer input by value; everything else only through its shape) and is then *run* on a
+grid of shapes and right-padded masks. The grid includes decode steps whose total length
+reaches ``max_seq_len``, so a sliding window anywhere in the supported context is seen.
+
+The effective mask (the mask input combined with the ``is_causal`` attribute) must match,
+on every probe and every valid query row, one of:
+
+* ``causal_padding``: key j visible to query i iff ``j <= past + i`` and ``attention_mask[b, j]``;
+* ``sliding_window`` of width W: additionally ``j > past + i - W`` (W keys including the
+  current one, Hugging Face's ``sliding_window``).
+
+Anything else (a bias, a non-causal mask, a mask read from another input) is unproven, and the
+layer keeps its original attention.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import onnx_ir as ir
+
+from ._evaluate import SubgraphEvaluator, _Unprovable, value_dependencies
+from ._graph import attr, input_at
+from ._signature import probe_array
+
+_MASKED_BELOW = -1.0e4  # an additive mask entry at or below this counts as "masked"
+
+
+@dataclasses.dataclass(frozen=True)
+class ProvenMask:
+    kind: str  # "causal_padding" | "sliding_window"
+    attention_mask: ir.Value
+    window: int | None = None
+    probes: int = 0
+
+    def describe(self) -> str:
+        if self.kind == "sliding_window":
+            return f"causal + padding + sliding window {self.window}"
+        return "causal + padding"
+
+
+def _probes(max_seq_len: int) -> list[tuple[int, int, int, list[int]]]:
+    """(batch, seq, past, valid lengths per row) covering prompts, decode and chunks."""
+    long_past = max(1, max_seq_len - 1)
+    mid = max(1, min(max_seq_len // 2, 300))
+    grid = [
+        (1, 1, 0, [1]),
+        (2, 5, 0, [5, 3]),
+        (3, 9, 0, [9, 1, 6]),
+        (1, 33, 0, [33]),
+        (2, 1, 6, [7, 7]),
+        (2, 1, 6, [7, 4]),
+        (1, 4, 5, [9]),
+        (2, 3, 8, [11, 6]),
+        (1, 1, long_past, [long_past + 1]),
+        (1, 1, mid, [mid + 1]),
+        (1, 2, long_past - 1, [long_past + 1]),
+    ]
+    return [p for p in grid if p[1] + p[2] <= max(max_seq_len, 40)]
+
+
+def _expected(batch, seq, past, lengths, window):
+    total = past + seq
+    i = np.arange(seq)[:, None] + past
+    j = np.arange(total)[None, :]
+    allowed = j <= i
+    if window is not None:
+        allowed &= j > i - window
+    pad = np.arange(total)[None, :] < np.asarray(lengths)[:, None]  # (B, T)
+    return allowed[None, :, :] & pad[:, None, :]  # (B, S, T)
+
+
+def _valid_rows(seq, past, lengths):
+    rows = np.arange(seq)[None, :] + past
+    return rows < np.asarray(lengths)[:, None]  # (B, S)
+
+
+def _to_allowed(mask: np.ndarray) -> np.ndarray | None:
+    if mask.dtype == np.bool_:
+        return mask
+    if mask.dtype.kind == "f":
+        ok = (mask == 0) | (mask <= _MASKED_BELOW)
+        if not ok.all():
+            return None
+        return mask == 0
+    return None
+
+
+def analyze_mask(node: ir.Node, graph: ir.Graph, max_seq_len: int, cache: dict) -> ProvenMask | str:
+    """Return the proven mask of an ONNX ``Attention`` node, or the reason it is unproven."""
+    mask = input_at(node, 3)
+    is_causal = bool(attr(node, "is_causal", 0))
+    has_past = input_at(node, 4) is not None
+    if mask is None:
+        return "the layer has no attention-mask input, so padding cannot be read from one"
+    key = ("mask", id(mask), is_causal, has_past, max_seq_len)
+    if key in cache:
+        return cache[key]
+    try:
+        result = _analyze(mask, graph, is_causal, has_past, max_seq_len)
+    except _Unprovable as err:
+        result = str(err)
+    cache[key] = result
+    return result
+
+
+def _analyze(mask, graph, is_causal, has_past, max_seq_len) -> ProvenMask | str:
+    by_value, _by_shape = value_dependencies(mask)
+    if len(by_value) != 1:
+        names = sorted(v.name or "?" for v in by_value)
+        return f"the mask is computed from {names or 'no input'}, not from one 2-D attention mask"
+    (am,) = by_value
+    if (
+        am.shape is None
+        or len(am.shape) != 2
+        or am.dtype
+        not in (
+            ir.DataType.INT64,
+            ir.DataType.INT32,
+            ir.DataType.BOOL,
+        )
+    ):
+        return f"the mask is computed from {am.name!r}, which is not a 2-D integer attention mask"
+    try:
+        evaluator = SubgraphEvaluator(graph, [mask])
+    except Exception as err:
+        return f"the mask subgraph could not be evaluated ({type(err).__name__})"
+    probes = _probes(max_seq_len)
+    observed = []
+    for batch, seq, past, lengths in probes:
+        allowed = _run_probe(evaluator, graph, am, batch, seq, past, lengths, is_causal, has_past)
+        if isinstance(allowed, str):
+            return allowed
+        observed.append(((batch, seq, past, lengths), allowed))
+
+    def matches(window: int | None) -> bool:
+        for (batch, seq, past, lengths), allowed in observed:
+            valid = _valid_rows(seq, past, lengths)
+            expected = _expected(batch, seq, past, lengths, window)
+            if not (allowed[valid] == expected[valid]).all():
+                return False
+        return True
+
+    if matches(None):
+        return ProvenMask("causal_padding", am, None, len(probes))
+    widths = {
+        _fit_window(allowed, seq, past, lengths) for (_, seq, past, lengths), allowed in observed
+    }
+    widths.discard(None)
+    if len(widths) == 1:
+        (window,) = widths
+        if matches(window):
+            return ProvenMask("sliding_window", am, window, len(probes))
+    return "the mask is not causal + padding (with or without one sliding window)"
+
+
+def _run_probe(evaluator, graph, am, batch, seq, past, lengths, is_causal, has_past):
+    """The effective (batch, seq, total) visibility of one probe, or why it is unusable."""
+    inputs = {v.name: v for v in graph.inputs}
+    feeds = {}
+    for name in evaluator.input_names:
+        value = inputs[name]
+        if value is am:
+            rows = np.arange(past + seq)[None, :] < np.asarray(lengths)[:, None]
+            feeds[name] = rows.astype(am.dtype.numpy())
+            continue
+        array = probe_array(value, am, batch, seq, past)
+        if array is None:
+            return f"cannot size input {name!r} to probe the mask"
+        feeds[name] = array
+    try:
+        (out,) = evaluator(feeds)
+    except Exception as err:
+        return f"the mask subgraph failed on a probe ({type(err).__name__})"
+    allowed = _to_allowed(np.asarray(out))
+    if allowed is None:
+        return "the mask holds values other than 0 and -inf (an attention bias)"
+    if allowed.ndim != 4:
+        return f"the mask has rank {allowed.ndim}, expected 4"
+    try:
+        allowed = np.broadcast_to(allowed, (batch, allowed.shape[1], seq, past + seq))
+    except ValueError:
+        return "the mask does not broadcast to (batch, heads, seq, total)"
+    if not (allowed == allowed[:, :1]).all():
+        return "the mask differs between heads"
+    allowed = allowed[:, 0]
+    if is_causal:
+        if not has_past and past != 0:
+            return "is_causal without past inputs is aligned differently across EPs"
+        allowed = allowed & _expected(batch, seq, past, [past + seq] * batch, None)
+    return allowed
+
+
+def _fit_window(allowed, seq, past, lengths) -> int | None:
+    """Visible keys of the first valid row that sees fewer than all its causal keys."""
+    valid = _valid_rows(seq, past, lengths)
+    for b in range(allowed.shape[0]):
+        for i in range(seq):
+            if not valid[b, i]:
+                continue
+            visible = np.flatnonzero(allowed[b, i])
+            if len(visible) == 0:
+                return None
+            width = past + i - visible[0] + 1
+            if width < past + i + 1:
+                return int(width)
+    return None
