@@ -47,6 +47,7 @@ class PassManager:
         report = Report(ep=ep.name, dtype=dtype, options={"max_seq_len": options.max_seq_len})
         report.nodes_before = len(graph)
         ctx = RewriteContext(model=model, ep=ep, dtype=dtype, options=options)
+        _infer_types(model)
         rule_reports = {
             rule.name: RuleReport(rule.name, rule.stage.value, selected=True) for rule in self.rules
         }
@@ -145,6 +146,17 @@ class PassManager:
             cleanup(model)
 
 
+def _infer_types(model: ir.Model) -> None:
+    """Fill in value types (and shapes where ONNX can) so rules can check dtypes.
+
+    Best effort: a model ONNX's inference rejects is still optimized, with fewer facts known.
+    """
+    try:
+        common_passes.ShapeInferencePass()(model)
+    except Exception:
+        return
+
+
 def _layer_of(node: ir.Node) -> int | None:
     value = node.metadata_props.get(LAYER_KEY)
     return int(value) if value is not None else None
@@ -164,7 +176,12 @@ def _assumptions(graph: ir.Graph, ep: EPCapabilities, options: OptimizeOptions) 
             "on a first prompt (no past) positions are contiguous: position_ids[b] = "
             "position_ids[b, 0] + arange(seq)"
         )
-        notes.append(f"total sequence length <= {options.max_seq_len} (rows of the cos/sin caches)")
+        rows = min(
+            n.inputs[7].shape[0]
+            for n in gqa
+            if len(n.inputs) > 7 and n.inputs[7] is not None and n.inputs[7].shape is not None
+        )
+        notes.append(f"total sequence length <= {rows} (rows of the cos/sin caches)")
     if ep.name == "cpu":
         notes.append("on the CPU EP, chunked prefill (past > 0 and seq > 1) needs batch 1")
     return notes

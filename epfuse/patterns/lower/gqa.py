@@ -182,8 +182,9 @@ class AttentionToGQA(Rule):
         out, present_k, present_v = gqa.outputs
         out.name = f"{gqa.name}/output"
         y = node.outputs[0]
-        reshaped = bsd_consumer(y, num_heads * head_size) if rank == 4 else y
-        if reshaped is not None:
+        if rank == 3:
+            replace_value(y, out)
+        elif (reshaped := bsd_consumer(y, num_heads * head_size)) is not None:
             replace_value(reshaped, out)
             reshape_node = reshaped.producer()
             transpose_node = reshape_node.inputs[0].producer()

@@ -1,0 +1,154 @@
+"""The ``epfuse`` command line.
+
+    epfuse optimize [IN] [-o OUT] [--ep EP] [--report FILE.json] [--max-seq-len N]
+    epfuse capabilities [--ep EP]
+
+Every failure is one line on stderr and a non-zero exit: 1 for bad input or a model epfuse
+cannot handle, 2 for bad usage, 3 for an internal error (``--debug`` shows the traceback).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+from epfuse.capabilities import DTYPES, all_eps, get_ep, known_eps
+from epfuse.errors import EpfuseError
+
+EXIT_INPUT, EXIT_USAGE, EXIT_INTERNAL = 1, 2, 3
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return EXIT_USAGE
+    try:
+        return args.handler(args)
+    except EpfuseError as err:
+        print(f"epfuse: error: {err}", file=sys.stderr)
+        return EXIT_INPUT
+    except BrokenPipeError:
+        # Output piped into `head` and the like: stop quietly.
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115
+        return 0
+    except KeyboardInterrupt:
+        print("epfuse: interrupted", file=sys.stderr)
+        return 130
+    except Exception as err:
+        if args.debug:
+            raise
+        message = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        print(
+            f"epfuse: internal error: {type(err).__name__}: {message} (rerun with --debug)",
+            file=sys.stderr,
+        )
+        return EXIT_INTERNAL
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="epfuse",
+        description="Rewrite generically exported ONNX language models for an ORT execution provider.",
+    )
+    parser.add_argument("--debug", action="store_true", help="show tracebacks of internal errors")
+    sub = parser.add_subparsers(dest="command")
+
+    opt = sub.add_parser("optimize", help="optimize a model for one execution provider")
+    opt.add_argument("input", nargs="?", help="model to optimize (default: the bundled example)")
+    opt.add_argument("-o", "--output", help="where to write the optimized model")
+    opt.add_argument("--ep", default="cpu", help=f"execution provider ({', '.join(known_eps())})")
+    opt.add_argument("--report", help="also write the report as JSON to this file")
+    opt.add_argument(
+        "--max-seq-len",
+        type=int,
+        default=4096,
+        help="rows of the cos/sin caches made from run-time RoPE (default 4096)",
+    )
+    opt.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
+    opt.set_defaults(handler=_optimize)
+
+    caps = sub.add_parser("capabilities", help="print what each execution provider supports")
+    caps.add_argument("--ep", help="only this execution provider")
+    caps.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
+    caps.set_defaults(handler=_capabilities)
+    return parser
+
+
+def _optimize(args: argparse.Namespace) -> int:
+    from epfuse.examples import EXAMPLE_MODEL
+    from epfuse.optimizer.api import optimize_with_report
+    from epfuse.optimizer.io import save_model
+
+    record = get_ep(args.ep)  # fail on a bad EP before reading anything
+    source = Path(args.input) if args.input else EXAMPLE_MODEL
+    if args.output:
+        output = Path(args.output)
+    elif args.input:
+        output = source.with_name(f"{source.stem}.{record.name}.onnx")
+    else:
+        output = Path(tempfile.mkdtemp(prefix="epfuse-")) / f"{source.stem}.{record.name}.onnx"
+    if output.exists() and source.exists() and output.resolve() == source.resolve():
+        raise EpfuseError(f"{output}: refusing to overwrite the input model")
+    if args.max_seq_len < 1:
+        raise EpfuseError("--max-seq-len must be positive")
+    model, report = optimize_with_report(source, record, max_seq_len=args.max_seq_len)
+    save_model(model, output)
+    if args.report:
+        Path(args.report).write_text(report.to_json(indent=2) + "\n")
+    print(f"input:  {source}")
+    print(report.summary())
+    print(f"\nwrote {output}")
+    return 0
+
+
+_COLUMNS = (
+    ("GQA", lambda o: o.gqa is not None),
+    ("fused-RoPE", lambda o: bool(o.gqa and o.gqa.fused_rotary)),
+    ("packed-QKV", lambda o: bool(o.gqa and o.gqa.packed_qkv)),
+    ("GQA-softcap", lambda o: bool(o.gqa and o.gqa.softcap)),
+    ("GQA-window", lambda o: bool(o.gqa and o.gqa.local_window)),
+    ("Attention", lambda o: o.attention),
+    ("RotaryEmb", lambda o: o.rotary_embedding),
+    ("MS-RoPE", lambda o: o.ms_rotary_embedding),
+    ("MRoPE", lambda o: o.mrotary_embedding),
+    ("RMSNorm", lambda o: o.rms_normalization),
+    ("SimplLN", lambda o: o.simplified_layer_norm),
+    ("SkipSimplLN", lambda o: o.skip_simplified_layer_norm),
+)
+
+
+def capability_table(records) -> str:
+    header = ["EP", "dtype", *[name for name, _ in _COLUMNS]]
+    rows = []
+    for record in records:
+        for dtype in DTYPES:
+            ops = record.ops(dtype)
+            marks = ["yes" if check(ops) else "-" for _, check in _COLUMNS]
+            rows.append([record.name, dtype, *marks])
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    lines = ["  ".join(str(c).ljust(w) for c, w in zip(header, widths, strict=True)).rstrip()]
+    lines.append("  ".join("-" * w for w in widths))
+    for row in rows:
+        lines.append("  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
+    return "\n".join(lines)
+
+
+def _capabilities(args: argparse.Namespace) -> int:
+    records = [get_ep(args.ep)] if args.ep else all_eps()
+    print(capability_table(records))
+    for record in records:
+        provider = record.provider or "(any; standard ONNX only)"
+        notes = "; ".join(record.notes)
+        print(
+            f"\n{record.name}: {record.description}, {provider}" + (f". {notes}" if notes else "")
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,158 @@
+"""The CLI, run in-process through ``main`` and once as a real console script."""
+
+import json
+import shutil
+import subprocess
+import sys
+
+import onnx
+import pytest
+
+from epfuse.optimizer.cli import main
+
+
+def test_optimize_bundled_example_default_output(capsys):
+    assert main(["optimize"]) == 0
+    out = capsys.readouterr().out
+    assert "2 of 2 attention layers fused" in out
+    assert out.count("GroupQueryAttention(do_rotary=1)") == 2
+    written = out.strip().splitlines()[-1].removeprefix("wrote ").strip()
+    model = onnx.load(written)
+    assert sum(n.op_type == "GroupQueryAttention" for n in model.graph.node) == 2
+    shutil.rmtree(written.rsplit("/", 1)[0])
+
+
+def test_optimize_with_output_and_report(tmp_path, example_model, capsys):
+    out, report = tmp_path / "o.onnx", tmp_path / "r.json"
+    before = example_model.read_bytes()
+    rc = main(
+        [
+            "optimize",
+            str(example_model),
+            "-o",
+            str(out),
+            "--ep",
+            "CPUExecutionProvider",
+            "--report",
+            str(report),
+        ]
+    )
+    assert rc == 0
+    data = json.loads(report.read_text())
+    assert data["ep"] == "cpu" and len(data["layers"]) == 2
+    assert all(layer["fused"] for layer in data["layers"])
+    stored = {p.key: p.value for p in onnx.load(str(out)).metadata_props}
+    assert json.loads(stored["epfuse.report"])["ep"] == "cpu"
+    assert example_model.read_bytes() == before  # input untouched
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["o.onnx", "r.json"]  # no temp left
+
+
+def test_cuda_fp32_keeps_attention_and_says_why(tmp_path, example_model, capsys):
+    assert (
+        main(["optimize", str(example_model), "-o", str(tmp_path / "o.onnx"), "--ep", "cuda"]) == 0
+    )
+    out = capsys.readouterr().out
+    assert "0 of 2 attention layers fused" in out
+    assert "cuda has no GroupQueryAttention" in out
+
+
+def _bad(tmp_path, capsys, argv):
+    before = sorted(tmp_path.iterdir())
+    rc = main(argv)
+    err = capsys.readouterr().err
+    assert rc != 0
+    assert err.startswith("epfuse: error: ") and err.count("\n") == 1, err
+    assert "Traceback" not in err
+    assert sorted(tmp_path.iterdir()) == before  # no output written
+    return err
+
+
+def test_missing_file(tmp_path, capsys):
+    err = _bad(
+        tmp_path, capsys, ["optimize", str(tmp_path / "nope.onnx"), "-o", str(tmp_path / "o.onnx")]
+    )
+    assert "no such file" in err
+
+
+def test_not_onnx(tmp_path, capsys):
+    bad = tmp_path / "bad.onnx"
+    bad.write_text("this is not a model")
+    assert "not an ONNX model" in _bad(
+        tmp_path, capsys, ["optimize", str(bad), "-o", str(tmp_path / "o.onnx")]
+    )
+
+
+@pytest.mark.parametrize("keep", [0.1, 0.5, 0.9])
+def test_truncated(tmp_path, capsys, example_model, keep):
+    data = example_model.read_bytes()
+    bad = tmp_path / "trunc.onnx"
+    bad.write_bytes(data[: int(len(data) * keep)])
+    _bad(tmp_path, capsys, ["optimize", str(bad), "-o", str(tmp_path / "o.onnx")])
+
+
+def test_unknown_ep(tmp_path, capsys, example_model):
+    err = _bad(
+        tmp_path,
+        capsys,
+        ["optimize", str(example_model), "-o", str(tmp_path / "o.onnx"), "--ep", "tpu"],
+    )
+    assert "unknown execution provider 'tpu'" in err
+
+
+def test_model_without_attention(tmp_path, capsys):
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph(
+        [helper.make_node("Relu", ["x"], ["y"])],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4])],
+    )
+    path = tmp_path / "relu.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23)]), str(path))
+    assert "no attention" in _bad(
+        tmp_path, capsys, ["optimize", str(path), "-o", str(tmp_path / "o.onnx")]
+    )
+
+
+def test_unsupported_dtype(tmp_path, capsys):
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph(
+        [helper.make_node("Relu", ["x"], ["y"])],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.DOUBLE, [1, 4])],
+        [helper.make_tensor_value_info("y", TensorProto.DOUBLE, [1, 4])],
+    )
+    path = tmp_path / "f64.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23)]), str(path))
+    assert "unsupported dtype" in _bad(
+        tmp_path, capsys, ["optimize", str(path), "-o", str(tmp_path / "o.onnx")]
+    )
+
+
+def test_refuses_to_overwrite_input(tmp_path, capsys, example_model):
+    copy = tmp_path / "m.onnx"
+    shutil.copy(example_model, copy)
+    before = copy.read_bytes()
+    rc = main(["optimize", str(copy), "-o", str(copy)])
+    assert rc != 0 and "overwrite the input" in capsys.readouterr().err
+    assert copy.read_bytes() == before
+
+
+def test_capabilities_table(capsys):
+    assert main(["capabilities"]) == 0
+    out = capsys.readouterr().out
+    for name in ["cpu", "cuda", "dml", "webgpu", "trt-rtx", "qnn", "openvino", "coreml", "default"]:
+        assert f"\n{name}: " in out
+    assert main(["capabilities", "--ep", "DmlExecutionProvider"]) == 0
+    assert "dml" in capsys.readouterr().out
+
+
+def test_console_script_runs():
+    exe = shutil.which("epfuse")
+    cmd = [exe] if exe else [sys.executable, "-m", "epfuse.optimizer.cli"]
+    done = subprocess.run(
+        [*cmd, "capabilities", "--ep", "cpu"], capture_output=True, text=True, check=False
+    )
+    assert done.returncode == 0 and "CPUExecutionProvider" in done.stdout
