@@ -31,7 +31,8 @@ def load_model(path: str | os.PathLike) -> ir.Model:
     if not proto.graph.node and not proto.graph.output:
         raise ModelLoadError(f"{path}: not an ONNX model (no graph; truncated or other format)")
     try:
-        onnx.checker.check_model(proto)
+        # By path, so external data is looked up beside the model (and >2GB models work).
+        onnx.checker.check_model(str(path))
     except Exception as err:
         raise ModelLoadError(f"{path}: invalid ONNX model ({_first_line(err)})") from None
     try:

@@ -18,35 +18,33 @@ _PROTO_LIMIT = 1_800_000_000
 
 def validate(model: ir.Model) -> str | None:
     """Raise ValidationError, or return a note when the CPU load was not applicable."""
-    proto = ir.to_proto(model)
+    external = any(
+        isinstance(v.const_value, ir.ExternalTensor) for v in model.graph.initializers.values()
+    )
+    proto = None if external else ir.to_proto(model)
+    if proto is not None and proto.ByteSize() < _PROTO_LIMIT:
+        return _check(proto, proto.SerializeToString())
+    # Large or external-data models are checked from a file, as ORT and onnx expect them.
+    with tempfile.TemporaryDirectory(prefix="epfuse-validate-") as tmp:
+        path = Path(tmp) / "model.onnx"
+        ir.save(model, path, external_data="model.onnx.data")
+        return _check(str(path), str(path))
+
+
+def _check(checkable, loadable) -> str | None:
     try:
-        if proto.ByteSize() < _PROTO_LIMIT:
-            onnx.checker.check_model(proto)
+        onnx.checker.check_model(checkable)
     except Exception as err:
         raise ValidationError(f"optimized model fails onnx.checker: {_line(err)}") from None
     options = ort.SessionOptions()
     options.log_severity_level = 3
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    in_memory = proto.ByteSize() < _PROTO_LIMIT and not any(
-        isinstance(v.const_value, ir.ExternalTensor) for v in model.graph.initializers.values()
-    )
     try:
-        if in_memory:
-            ort.InferenceSession(
-                proto.SerializeToString(), options, providers=["CPUExecutionProvider"]
-            )
-        else:
-            with tempfile.TemporaryDirectory() as tmp:
-                path = Path(tmp) / "model.onnx"
-                ir.save(model, path, external_data="model.onnx.data")
-                ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+        ort.InferenceSession(loadable, options, providers=["CPUExecutionProvider"])
     except Exception as err:
-        message = str(err)
-        if any(marker in message for marker in _NO_KERNEL):
+        if any(marker in str(err) for marker in _NO_KERNEL):
             return f"not loaded on the CPU EP (no CPU kernel): {_line(err)}"
-        raise ValidationError(
-            f"optimized model does not load in ONNX Runtime: {_line(err)}"
-        ) from None
+        raise ValidationError(f"optimized model does not load in ONNX Runtime: {_line(err)}") from None
     return None
 
 

@@ -1,0 +1,1 @@
+"""Test helpers for epfuse: tiny Hugging Face exports and reference runs (torch optional)."""
