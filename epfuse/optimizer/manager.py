@@ -52,9 +52,15 @@ class PassManager:
             rule.name: RuleReport(rule.name, rule.stage.value, selected=True) for rule in self.rules
         }
 
-        self._sweep(ctx, [r for r in self.rules if r.stage is Stage.CANONICALIZE], rule_reports, {})
+        canonical_kept = self._sweep(
+            ctx, [r for r in self.rules if r.stage is Stage.CANONICALIZE], rule_reports, {}
+        )
         layers = self._label_layers(graph)
         report.layers = layers
+        for node, reason in canonical_kept:
+            index = _layer_of(node)
+            if index is not None and node.graph is graph:
+                layers[index].reasons.append(reason)
 
         selected = []
         for rule in self.rules:
@@ -84,12 +90,15 @@ class PassManager:
 
     # ------------------------------------------------------------------ driver
 
-    def _sweep(self, ctx, rules, rule_reports, layers: dict[int, LayerReport]) -> None:
+    def _sweep(
+        self, ctx, rules, rule_reports, layers: dict[int, LayerReport]
+    ) -> list[tuple[ir.Node, str]]:
+        """Sweep to a fixed point; return the (node, reason) of rules that kept a node."""
         by_anchor: dict[tuple[str, str], list[Rule]] = defaultdict(list)
         for rule in rules:
             by_anchor[rule.anchor].append(rule)
         if not by_anchor:
-            return
+            return []
         graph = ctx.graph
         for _ in range(MAX_SWEEPS):
             changed = False
@@ -120,7 +129,8 @@ class PassManager:
                     layer = layers.get(_layer_of(node))
                     if layer is not None and node.graph is graph:
                         layer.reasons.append(reason)
-                return
+                return list(kept_now.values())
+        return []
 
     @staticmethod
     def _label_layers(graph: ir.Graph) -> list[LayerReport]:

@@ -44,7 +44,9 @@ def _check(checkable, loadable) -> str | None:
     except Exception as err:
         if any(marker in str(err) for marker in _NO_KERNEL):
             return f"not loaded on the CPU EP (no CPU kernel): {_line(err)}"
-        raise ValidationError(f"optimized model does not load in ONNX Runtime: {_line(err)}") from None
+        raise ValidationError(
+            f"optimized model does not load in ONNX Runtime: {_line(err)}"
+        ) from None
     return None
 
 

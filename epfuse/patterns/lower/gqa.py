@@ -116,6 +116,10 @@ class AttentionToGQA(Rule):
         past_k, past_v = input_at(node, 4), input_at(node, 5)
         if k is None or v is None or (past_k is None) != (past_v is None):
             return Kept("Attention inputs are not Q, K, V with a matching past")
+        if past_k is None:
+            # Without past inputs nothing proves K/V hold only the new tokens (a cache grown
+            # outside the op would be mistaken for new keys).
+            return Kept("the Attention has no past_key/past_value inputs (KV cache not canonical)")
         if len(node.inputs) > 6 and node.inputs[6] is not None:
             return Kept("nonpad_kv_seqlen is not expressible in GroupQueryAttention")
         if len(node.outputs) > 3 and (node.outputs[3].uses() or node.outputs[3].is_graph_output()):

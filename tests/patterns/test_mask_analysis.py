@@ -1,0 +1,94 @@
+"""mask_analysis proves causal + padding (and sliding windows) by evaluating the graph."""
+
+import numpy as np
+import onnx_ir as ir
+import pytest
+from model_builder import DecoderConfig, build_decoder
+
+from epfuse.patterns.mask_analysis import ProvenMask, analyze_mask
+
+
+def _first_attention(cfg):
+    model = ir.from_proto(build_decoder(cfg))
+    node = next(n for n in model.graph if n.op_type == "Attention")
+    return model, node
+
+
+def _analyze(model, node, max_seq_len=512):
+    return analyze_mask(node, model.graph, max_seq_len, {})
+
+
+@pytest.mark.parametrize("style", ["torch23", "mobius"])
+def test_causal_padding_is_proven(style):
+    model, node = _first_attention(DecoderConfig(style=style))
+    result = _analyze(model, node)
+    assert isinstance(result, ProvenMask), result
+    assert result.kind == "causal_padding" and result.window is None
+    assert result.attention_mask.name == "attention_mask"
+
+
+@pytest.mark.parametrize(("style", "window"), [("torch23", 5), ("mobius", 3), ("torch23", 300)])
+def test_sliding_window_width_is_measured(style, window):
+    model, node = _first_attention(DecoderConfig(style=style, sliding_window=window))
+    result = _analyze(model, node)
+    assert isinstance(result, ProvenMask), result
+    assert (result.kind, result.window) == ("sliding_window", window)
+
+
+def test_window_beyond_max_seq_len_is_plain_causal():
+    model, node = _first_attention(DecoderConfig(sliding_window=1000))
+    result = _analyze(model, node, max_seq_len=512)
+    assert isinstance(result, ProvenMask) and result.window is None
+
+
+def test_non_causal_mask_is_rejected():
+    model, node = _first_attention(DecoderConfig(style="mobius"))
+    node.attributes["is_causal"] = ir.AttrInt64("is_causal", 0)
+    result = _analyze(model, node)
+    assert isinstance(result, str) and "not causal + padding" in result
+
+
+def _replace_mask_with_additive(model, node, allowed_value: float):
+    graph = model.graph
+    mask = node.inputs[3]
+    zero = ir.Value(name="m_zero", const_value=ir.tensor(np.array(allowed_value, np.float32)))
+    neg = ir.Value(name="m_neg", const_value=ir.tensor(np.array(-np.inf, np.float32)))
+    graph.initializers["m_zero"], graph.initializers["m_neg"] = zero, neg
+    where = ir.node("Where", [mask, zero, neg], name="additive")
+    where.outputs[0].name = "additive_mask"
+    graph.insert_before(node, where)
+    node.replace_input_with(3, where.outputs[0])
+
+
+def test_additive_mask_is_proven():
+    model, node = _first_attention(DecoderConfig())
+    _replace_mask_with_additive(model, node, 0.0)
+    assert isinstance(_analyze(model, node), ProvenMask)
+
+
+def test_bias_is_rejected():
+    model, node = _first_attention(DecoderConfig())
+    _replace_mask_with_additive(model, node, 0.5)
+    result = _analyze(model, node)
+    assert isinstance(result, str) and "bias" in result
+
+
+def test_mask_read_from_another_input_is_rejected():
+    model, node = _first_attention(DecoderConfig(style="mobius"))
+    graph = model.graph
+    positions = next(v for v in graph.inputs if v.name == "position_ids")
+    cast = ir.node("Cast", [positions], {"to": ir.DataType.BOOL}, name="pos_bool")
+    cast.outputs[0].name = "pos_bool"
+    graph.insert_before(node, cast)
+    both = ir.node("And", [node.inputs[3], cast.outputs[0]], name="and_pos")
+    both.outputs[0].name = "mask_and_pos"
+    graph.insert_before(node, both)
+    node.replace_input_with(3, both.outputs[0])
+    result = _analyze(model, node)
+    assert isinstance(result, str) and "not from one 2-D attention mask" in result
+
+
+def test_no_mask_input():
+    model, node = _first_attention(DecoderConfig(style="mobius"))
+    node.replace_input_with(3, None)
+    assert "no attention-mask input" in _analyze(model, node)
