@@ -60,16 +60,22 @@ def bnsh_source(value: ir.Value, heads: int, head_size: int) -> ir.Value | None:
         return None
     allowzero = attr(reshape, "allowzero", 0)
     for axis in (0, 1):
-        got = target[axis]
-        if isinstance(got, int) and not (got == 0 and not allowzero):
-            known = dim(x, axis)
-            if known != got:
-                return None
-        elif not isinstance(got, int):
-            known = dim(x, axis)
-            if isinstance(known, int) or (known[0] == "sym" and got != known and got[0] == "sym"):
-                return None
+        if not _keeps_axis(target[axis], dim(x, axis), allowzero):
+            return None
     return x
+
+
+def _keeps_axis(requested, actual, allowzero: int) -> bool:
+    """Does a Reshape entry keep input axis ``actual`` (batch or sequence) unchanged?
+
+    0 copies the axis (without allowzero); a static size must equal the input's; a run-time
+    term is accepted unless it is a different *declared* dimension (e.g. "seq" for "batch").
+    """
+    if isinstance(requested, int):
+        return (requested == 0 and not allowzero) or requested == actual
+    if isinstance(actual, int):
+        return False
+    return not (requested[0] == "sym" and actual[0] == "sym" and requested != actual)
 
 
 def to_bsd(builder: Builder, value: ir.Value, heads: int, head_size: int) -> ir.Value:

@@ -258,9 +258,6 @@ class AttentionToGQA(Rule):
             )
         if pos.dtype != ir.DataType.INT64:
             return _RopePlan(False, rq, rk, "position_ids are not int64")
-        for rope in (rq, rk):
-            if any(use.node is not rope.node.outputs[0].producer() for use in ()):
-                pass
         return _RopePlan(True, rq, rk, None)
 
 
