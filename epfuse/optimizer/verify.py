@@ -9,11 +9,16 @@ Both models run on ONNX Runtime CPU sessions over a fixed set of scenarios with 
   (chunked prefill).
 - ``padded``: batch 2, right-padded prompt of lengths ``padded_lens`` (default ``prompt_len``
   and about half of it), mask ``[1]*L + [0]*(prompt_len-L)``, position_ids ``arange``.
+- ``padded_decode``: the padded prompt of ``padded_decode_lens`` (default ``padded_lens``), then
+  ``padded_decode_steps`` decode steps, each model on its own cache, the prompt's padding kept
+  as zeros in the mask. The only built-in scenario where a lost padding mask shows (causality
+  hides padded keys from the valid rows of a right-padded prompt); see :class:`Scenario`.
 
-Logits are compared on valid rows ``(b, :L_b)`` and present K/V on valid rows
+Any batch and lengths can be given as explicit :class:`Scenario` objects (the property tests
+draw them). Logits are compared on valid rows ``(b, :L_b)`` and present K/V on valid rows
 ``(b, :, :past+L_b, :)``, with the tolerance of the model's dtype from
 :mod:`epfuse.optimizer.tolerances`. A model without past inputs or present outputs is compared
-on ``prompt`` and ``padded`` only (``decode`` and ``chunk`` are reported as skipped).
+on prompt scenarios only (the others are reported as skipped).
 
 Model I/O is discovered from each graph by role, so the optimized model may rename inputs:
 ``input_ids`` (token input), ``attention_mask``, optional ``position_ids``, past inputs (rank-4
@@ -28,10 +33,11 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import zlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import onnx
@@ -39,7 +45,7 @@ import onnxruntime as ort
 
 from epfuse.optimizer.tolerances import Tolerance, tolerance_for
 
-SCENARIOS: tuple[str, ...] = ("prompt", "decode", "chunk", "padded")
+SCENARIOS: tuple[str, ...] = ("prompt", "decode", "chunk", "padded", "padded_decode")
 
 ModelLike = str | os.PathLike | onnx.ModelProto | Any  # Any: an onnx_ir.Model
 
@@ -82,6 +88,7 @@ class ModelIO:
     attention_mask_dtype: Any
     position_ids: str | None
     position_ids_dtype: Any
+    position_ids_rank: int | None
     kv: tuple[KVSpec, ...]
     logits: str
     dtype: str  # compute dtype: of the KV inputs, else of the logits
@@ -191,6 +198,7 @@ def discover_io(model: onnx.ModelProto) -> ModelIO:
         attention_mask_dtype=np_type(mask),
         position_ids=pos.name if pos is not None else None,
         position_ids_dtype=np_type(pos),
+        position_ids_rank=_rank(pos) if pos is not None else None,
         kv=tuple(kv),
         logits=logits.name,
         dtype=dtype,
@@ -294,7 +302,7 @@ class _Runner:
         if io.attention_mask is not None:
             feed[io.attention_mask] = attention_mask.astype(io.attention_mask_dtype)
         if io.position_ids is not None:
-            feed[io.position_ids] = position_ids.astype(io.position_ids_dtype)
+            feed[io.position_ids] = position_feed(io, position_ids)
         batch = input_ids.shape[0]
         for i, spec in enumerate(io.kv):
             if past is None:
@@ -305,6 +313,18 @@ class _Runner:
         names = [io.logits] + [spec.present for spec in io.kv if spec.present]
         outs = self.session.run(names, feed)
         return outs[0], list(outs[1:])
+
+
+def position_feed(io: ModelIO, positions: np.ndarray) -> np.ndarray:
+    """The ``position_ids`` feed for 2-D (batch, seq) text positions.
+
+    Extension point for 3-D positions (mRoPE, issue 4): a model whose position input is
+    (3, batch, seq) gets the text-only form, the same positions in all three sections; a
+    scenario that needs distinct sections should build them here from ``io``.
+    """
+    if io.position_ids_rank == 3:
+        positions = np.broadcast_to(positions, (3, *positions.shape))
+    return np.ascontiguousarray(positions).astype(io.position_ids_dtype)
 
 
 def _feed_float(dtype: str) -> Any:
@@ -495,6 +515,68 @@ def _continue_case(rng: np.random.Generator, batch: int, past: int, new: int, vo
     return _Case(ids, mask, pos, past, (new,) * batch)
 
 
+@dataclass(frozen=True)
+class Scenario:
+    """One comparison scenario with explicit batch and lengths (build with the classmethods).
+
+    - ``prompt``: batch ``len(lens)``, empty past, row ``b`` has ``lens[b]`` valid tokens and is
+      right-padded to ``max(lens)``; positions ``arange``.
+    - ``continue``: the ORIGINAL model runs an unpadded ``past_len``-token prompt of batch
+      ``len(lens)``; its presents are the past of both models for ``new_len`` new tokens
+      (decode when ``new_len == 1``, chunked prefill otherwise). ``past_len == 0`` is a prompt.
+    - ``padded_decode``: each model runs the right-padded prompt of ``lens`` and then ``steps``
+      single-token decode steps on its OWN presents. Row ``b``'s mask at step ``t`` is
+      ``[1]*lens[b] + [0]*(max(lens)-lens[b]) + [1]*(t+1)``: the prompt's padding stays in the
+      concat cache. Only logits and the prompt part of the presents (``:lens[b]``) are
+      compared, because a GroupQueryAttention model writes the new token at its row's length
+      (``seqlens_k``), a concat cache at the end. This is what catches a lost padding mask: in
+      a right-padded prompt causality already hides padded keys from valid queries. The
+      scenario is skipped when the ORIGINAL model's rows do not each equal the same row run
+      alone (e.g. a sliding window counted over cache slots, padding included).
+    """
+
+    name: str
+    kind: str
+    lens: tuple[int, ...]
+    past_len: int = 0
+    new_len: int = 1
+    steps: int = 1
+
+    KINDS: ClassVar[tuple[str, ...]] = ("prompt", "continue", "padded_decode")
+
+    def __post_init__(self) -> None:
+        if self.kind not in self.KINDS:
+            raise ValueError(f"unknown scenario kind {self.kind!r}; known: {self.KINDS}")
+        if self.past_len < 0 or self.new_len < 1 or self.steps < 1:
+            raise ValueError(f"{self.name}: need past_len >= 0, new_len >= 1, steps >= 1")
+        if not self.lens or min(self.lens) < 1:
+            raise ValueError(f"{self.name}: lens must be non-empty and >= 1, got {self.lens}")
+
+    @property
+    def batch(self) -> int:
+        return len(self.lens)
+
+    @classmethod
+    def prompt(cls, lens: Sequence[int], name: str | None = None) -> Scenario:
+        lens = tuple(int(n) for n in lens)
+        return cls(name or f"prompt{list(lens)}", "prompt", lens)
+
+    @classmethod
+    def continuation(
+        cls, batch: int, past_len: int, new_len: int, name: str | None = None
+    ) -> Scenario:
+        kind = "decode" if new_len == 1 else "chunk"
+        label = name or f"{kind}[b={batch},past={past_len},new={new_len}]"
+        return cls(label, "continue", (new_len,) * batch, past_len=past_len, new_len=new_len)
+
+    @classmethod
+    def padded_decode(
+        cls, lens: Sequence[int], steps: int = 2, name: str | None = None
+    ) -> Scenario:
+        lens = tuple(int(n) for n in lens)
+        return cls(name or f"padded_decode{list(lens)}x{steps}", "padded_decode", lens, steps=steps)
+
+
 def _compare_step(
     scenario: str,
     case: _Case,
@@ -579,16 +661,43 @@ def _first_line(exc: BaseException) -> str:
     return text[0][:300] if text else ""
 
 
-def compare_models(
-    original: ModelLike,
-    optimized: ModelLike,
-    *,
-    scenarios: Iterable[str] = SCENARIOS,
+def builtin_scenarios(
     prompt_len: int = 7,
     decode_past_len: int = 6,
     chunk_past_len: int = 5,
     chunk_len: int = 3,
-    padded_lens: tuple[int, int] | None = None,
+    padded_lens: tuple[int, ...] | None = None,
+    padded_decode_lens: tuple[int, ...] | None = None,
+    padded_decode_steps: int = 2,
+) -> dict[str, Scenario]:
+    """The named default scenarios (see the module docstring) for the given lengths."""
+    if padded_lens is None:
+        padded_lens = (prompt_len, (prompt_len + 1) // 2)
+    if padded_decode_lens is None:
+        padded_decode_lens = padded_lens
+    return {
+        "prompt": Scenario.prompt((prompt_len, prompt_len), name="prompt"),
+        "decode": Scenario.continuation(2, decode_past_len, 1, name="decode"),
+        "chunk": Scenario.continuation(1, chunk_past_len, chunk_len, name="chunk"),
+        "padded": Scenario.prompt(padded_lens, name="padded"),
+        "padded_decode": Scenario.padded_decode(
+            padded_decode_lens, padded_decode_steps, name="padded_decode"
+        ),
+    }
+
+
+def compare_models(
+    original: ModelLike,
+    optimized: ModelLike,
+    *,
+    scenarios: Iterable[str | Scenario] = SCENARIOS,
+    prompt_len: int = 7,
+    decode_past_len: int = 6,
+    chunk_past_len: int = 5,
+    chunk_len: int = 3,
+    padded_lens: tuple[int, ...] | None = None,
+    padded_decode_lens: tuple[int, ...] | None = None,
+    padded_decode_steps: int = 2,
     seed: int = 0,
     tolerance: Tolerance | None = None,
     providers: Sequence[str] = ("CPUExecutionProvider",),
@@ -596,19 +705,33 @@ def compare_models(
 ) -> VerificationResult:
     """Run ``original`` and ``optimized`` over ``scenarios`` and compare logits and presents.
 
-    Models are paths, ``onnx.ModelProto`` or ``onnx_ir.Model``. Sequence lengths can be raised
-    (e.g. ``prompt_len`` / ``decode_past_len`` beyond a sliding window). ``padded_lens``
-    defaults to ``(prompt_len, (prompt_len + 1) // 2)``. ``tolerance`` overrides the dtype's
-    entry in :data:`epfuse.optimizer.tolerances.TOLERANCES`.
+    Models are paths, ``onnx.ModelProto`` or ``onnx_ir.Model``. ``scenarios`` holds names of
+    the built-in scenarios (:data:`SCENARIOS`, sized by the length arguments) and/or explicit
+    :class:`Scenario` objects (any batch and lengths). Sequence lengths can be raised (e.g.
+    ``prompt_len`` / ``decode_past_len`` beyond a sliding window). ``padded_lens`` defaults to
+    ``(prompt_len, (prompt_len + 1) // 2)``, ``padded_decode_lens`` to ``padded_lens``.
+    ``tolerance`` overrides the dtype's entry in :data:`epfuse.optimizer.tolerances.TOLERANCES`.
     """
-    scenarios = tuple(scenarios)
-    unknown = [s for s in scenarios if s not in SCENARIOS]
+    named = builtin_scenarios(
+        prompt_len,
+        decode_past_len,
+        chunk_past_len,
+        chunk_len,
+        padded_lens,
+        padded_decode_lens,
+        padded_decode_steps,
+    )
+    plan: list[Scenario] = []
+    unknown = []
+    for item in scenarios:
+        if isinstance(item, Scenario):
+            plan.append(item)
+        elif item in named:
+            plan.append(named[item])
+        else:
+            unknown.append(item)
     if unknown:
         raise ValueError(f"unknown scenarios {unknown}; known: {SCENARIOS}")
-    if padded_lens is None:
-        padded_lens = (prompt_len, (prompt_len + 1) // 2)
-    if min(padded_lens) < 1:
-        raise ValueError(f"padded_lens must be >= 1, got {padded_lens}")
 
     ref = _Runner(original, providers, session_options)
     try:
@@ -620,7 +743,7 @@ def compare_models(
         return VerificationResult(
             dtype=ref.io.dtype,
             tolerance=tol,
-            scenarios=[ScenarioResult(name, error=message) for name in scenarios],
+            scenarios=[ScenarioResult(s.name, error=message) for s in plan],
         )
     if len(ref.io.kv) != len(opt.io.kv):
         raise ValueError(
@@ -632,38 +755,138 @@ def compare_models(
     vocab = ref.io.vocab_size or opt.io.vocab_size or 32
     has_cache = all(spec.present for spec in ref.io.kv) and ref.io.has_cache
 
-    results: list[ScenarioResult] = []
-    for name in scenarios:
-        # Inputs depend only on (seed, scenario), not on which other scenarios run.
-        rng = np.random.default_rng([seed, SCENARIOS.index(name)])
-        if name == "prompt":
-            case = _prompt_case(rng, 2, (prompt_len, prompt_len), vocab)
-            results.append(_compare_step(name, case, ref, opt, None, tol))
-        elif name == "padded":
-            case = _prompt_case(rng, 2, padded_lens, vocab)
-            results.append(_compare_step(name, case, ref, opt, None, tol))
-        elif name in ("decode", "chunk"):
-            if not has_cache:
-                results.append(ScenarioResult(name, skipped="model has no KV cache"))
-                continue
-            batch, past_len, new = (
-                (2, decode_past_len, 1) if name == "decode" else (1, chunk_past_len, chunk_len)
-            )
-            first = _prompt_case(rng, batch, (past_len,) * batch, vocab)
-            try:
-                _, past = ref.run(first.input_ids, first.attention_mask, first.position_ids, None)
-            except Exception as exc:
-                results.append(
-                    ScenarioResult(
-                        name,
-                        error=f"original model failed on the {past_len}-token prompt: "
-                        f"{type(exc).__name__}: {_first_line(exc)}",
-                    )
-                )
-                continue
-            case = _continue_case(rng, batch, past_len, new, vocab)
-            results.append(_compare_step(name, case, ref, opt, past, tol))
+    results = []
+    for scenario in plan:
+        rng = np.random.default_rng([seed, _scenario_seed(scenario.name)])
+        results.append(_run_scenario(scenario, rng, ref, opt, tol, vocab, has_cache))
     return VerificationResult(dtype=ref.io.dtype, tolerance=tol, scenarios=results)
+
+
+def _scenario_seed(name: str) -> int:
+    """Inputs depend only on (seed, scenario name), not on which other scenarios run."""
+    return SCENARIOS.index(name) if name in SCENARIOS else zlib.crc32(name.encode())
+
+
+def _run_scenario(
+    scenario: Scenario,
+    rng: np.random.Generator,
+    ref: _Runner,
+    opt: _Runner,
+    tol: Tolerance,
+    vocab: int,
+    has_cache: bool,
+) -> ScenarioResult:
+    name = scenario.name
+    if scenario.kind == "prompt":
+        case = _prompt_case(rng, scenario.batch, scenario.lens, vocab)
+        return _compare_step(name, case, ref, opt, None, tol)
+    if not has_cache:
+        return ScenarioResult(name, skipped="model has no KV cache")
+    if scenario.kind == "padded_decode":
+        return _padded_decode(scenario, rng, ref, opt, tol, vocab)
+    batch, past_len, new = scenario.batch, scenario.past_len, scenario.new_len
+    past = None
+    if past_len:
+        first = _prompt_case(rng, batch, (past_len,) * batch, vocab)
+        try:
+            _, past = ref.run(first.input_ids, first.attention_mask, first.position_ids, None)
+        except Exception as exc:
+            return ScenarioResult(
+                name,
+                error=f"original model failed on the {past_len}-token prompt: "
+                f"{type(exc).__name__}: {_first_line(exc)}",
+            )
+    case = _continue_case(rng, batch, past_len, new, vocab)
+    return _compare_step(name, case, ref, opt, past, tol)
+
+
+def _padded_decode(
+    scenario: Scenario,
+    rng: np.random.Generator,
+    ref: _Runner,
+    opt: _Runner,
+    tol: Tolerance,
+    vocab: int,
+) -> ScenarioResult:
+    """See :class:`Scenario`: padded prompt, then decode steps on each model's own cache."""
+    name, lens, batch = scenario.name, scenario.lens, scenario.batch
+    prompt = _prompt_case(rng, batch, lens, vocab)
+    tokens = _tokens(rng, (batch, scenario.steps), vocab)
+    result = ScenarioResult(name)
+
+    def steps(runner: _Runner, rows: Sequence[int] | None) -> list[tuple[np.ndarray, list]]:
+        """Prompt + decode steps for ``rows`` (None: the padded batch; else unpadded rows)."""
+        if rows is None:
+            ids, mask, pos = prompt.input_ids, prompt.attention_mask, prompt.position_ids
+        else:
+            (b,) = rows
+            n = lens[b]
+            ids, mask = prompt.input_ids[b : b + 1, :n], np.ones((1, n), np.int64)
+            pos = prompt.position_ids[b : b + 1, :n]
+        outs = [runner.run(ids, mask, pos, None)]
+        for t in range(scenario.steps):
+            past = outs[-1][1]
+            if rows is None:
+                mask = np.concatenate([mask, np.ones((batch, 1), np.int64)], axis=1)
+                pos = np.array([[n + t] for n in lens], dtype=np.int64)
+                ids = tokens[:, t : t + 1]
+            else:
+                mask = np.ones((1, lens[b] + t + 1), np.int64)
+                pos = np.array([[lens[b] + t]], dtype=np.int64)
+                ids = tokens[b : b + 1, t : t + 1]
+            outs.append(runner.run(ids, mask, pos, past))
+        return outs
+
+    try:
+        ref_out = steps(ref, None)
+        alone = [steps(ref, [b]) for b in range(batch)]
+    except Exception as exc:
+        result.error = f"original model failed: {type(exc).__name__}: {_first_line(exc)}"
+        return result
+    # In contract only if the original computes each padded row as that row alone would.
+    for b in range(batch):
+        for t in range(1, scenario.steps + 1):
+            check = _compare(name, "logits", "logits", alone[b][t][0][0], ref_out[t][0][b], tol)
+            if not check.passed:
+                result.skipped = (
+                    f"the original's row {b} after its padded prompt differs from the row run "
+                    f"alone (max err {check.max_abs_err:.3g}): padding holes change its result "
+                    "(e.g. a sliding window over cache slots)"
+                )
+                return result
+    try:
+        opt_out = steps(opt, None)
+    except Exception as exc:
+        result.error = f"optimized model failed: {type(exc).__name__}: {_first_line(exc)}"
+        return result
+    logits = ref.io.logits
+    for t in range(1, scenario.steps + 1):
+        ref_logits, opt_logits = ref_out[t][0], opt_out[t][0]
+        comparison = _compare(name, logits, "logits", ref_logits, opt_logits, tol)
+        comparison.note = f"step {t}"
+        result.comparisons.append(comparison)
+    # The prompt's rows of the final cache: the new tokens sit at different slots (see above).
+    ref_presents, opt_presents = ref_out[-1][1], opt_out[-1][1]
+    if len(ref_presents) != len(opt_presents):
+        result.error = "optimized model has a different number of present outputs"
+        return result
+    names = [spec.present for spec in ref.io.kv if spec.present]
+    for present, r, o in zip(names, ref_presents, opt_presents, strict=True):
+        if r.shape != o.shape:
+            comparison = _compare(name, present, "kv", r, o, tol)
+        else:
+            comparison = _compare(
+                name,
+                present,
+                "kv",
+                np.concatenate([r[b, :, : lens[b]].reshape(-1) for b in range(batch)]),
+                np.concatenate([o[b, :, : lens[b]].reshape(-1) for b in range(batch)]),
+                tol,
+                shape=tuple(r.shape),
+            )
+        comparison.note = "prompt rows"
+        result.comparisons.append(comparison)
+    return result
 
 
 def assert_equivalent(
@@ -681,9 +904,11 @@ __all__ = [
     "KVSpec",
     "ModelIO",
     "OutputComparison",
+    "Scenario",
     "ScenarioResult",
     "VerificationResult",
     "assert_equivalent",
+    "builtin_scenarios",
     "compare_models",
     "discover_io",
 ]

@@ -9,7 +9,13 @@ from onnx import TensorProto, helper, numpy_helper
 
 from epfuse.examples import EXAMPLE_MODEL
 from epfuse.optimizer.tolerances import TOLERANCES, Tolerance
-from epfuse.optimizer.verify import SCENARIOS, assert_equivalent, compare_models, discover_io
+from epfuse.optimizer.verify import (
+    SCENARIOS,
+    Scenario,
+    assert_equivalent,
+    compare_models,
+    discover_io,
+)
 
 
 @pytest.fixture(scope="module")
@@ -53,8 +59,9 @@ def test_self_comparison_passes():
     assert result.tolerance == TOLERANCES["float32"]
     for scenario in result.scenarios:
         assert scenario.skipped is None and scenario.error is None
-        # logits + 4 presents, identical models on the same EP: bit-identical
-        assert len(scenario.comparisons) == 5
+        # logits (one per decode step in padded_decode) + 4 presents: bit-identical
+        logits = 2 if scenario.name == "padded_decode" else 1
+        assert len(scenario.comparisons) == logits + 4
         assert all(c.max_abs_err == 0.0 for c in scenario.comparisons)
     text = str(result)
     assert "PASSED" in text
@@ -87,7 +94,8 @@ def test_dropped_attention_mask_fails_where_masking_matters(example):
     """Layer 0's Attention loses its (causal + padding) mask input.
 
     Single-token decode with an unpadded past needs no mask, so it still passes; every
-    scenario with several new tokens must fail, on the logits and on layer 1's K/V.
+    scenario with several new tokens must fail, on the logits and on layer 1's K/V, and so
+    must decode after a padded prompt (the padding slots become visible).
     """
     broken = _copy(example)
     attention = next(n for n in broken.graph.node if n.op_type == "Attention")
@@ -96,7 +104,7 @@ def test_dropped_attention_mask_fails_where_masking_matters(example):
 
     result = compare_models(example, broken)
     assert not result.passed
-    assert result.failed_scenarios() == ["prompt", "chunk", "padded"]
+    assert result.failed_scenarios() == ["prompt", "chunk", "padded", "padded_decode"]
     prompt = {c.output: c for c in result.scenario("prompt").comparisons}
     assert not prompt["logits"].passed and prompt["logits"].max_abs_err > 0.1
     assert prompt["present.0.key"].passed and prompt["present.0.value"].passed
@@ -200,3 +208,48 @@ def test_bfloat16_outputs_are_compared_in_float32():
 def test_unknown_scenario_rejected():
     with pytest.raises(ValueError, match="unknown scenarios"):
         compare_models(EXAMPLE_MODEL, EXAMPLE_MODEL, scenarios=("prefill",))
+
+
+def test_explicit_scenarios_set_batch_and_lengths():
+    scenarios = [
+        Scenario.prompt((5, 1, 3)),
+        Scenario.continuation(3, 4, 1),
+        Scenario.continuation(1, 0, 2),
+        Scenario.continuation(1, 1, 4),
+        Scenario.padded_decode((1, 4), steps=3),
+    ]
+    result = compare_models(EXAMPLE_MODEL, EXAMPLE_MODEL, scenarios=scenarios)
+    assert result.passed, str(result)
+    shapes = {
+        s.name: [(c.output, c.shape, c.note) for c in s.comparisons] for s in result.scenarios
+    }
+    assert ("logits", (3, 5, 256), "") in shapes["prompt[5, 1, 3]"]
+    assert ("logits", (3, 1, 256), "") in shapes["decode[b=3,past=4,new=1]"]
+    assert ("present.0.key", (1, 2, 2, 16), "") in shapes["chunk[b=1,past=0,new=2]"]
+    assert ("present.0.key", (1, 2, 5, 16), "") in shapes["chunk[b=1,past=1,new=4]"]
+    padded = shapes["padded_decode[1, 4]x3"]
+    assert [note for name, _, note in padded if name == "logits"] == ["step 1", "step 2", "step 3"]
+    assert ("present.1.value", (2, 2, 7, 16), "prompt rows") in padded
+
+
+def test_scenario_arguments_are_checked():
+    with pytest.raises(ValueError, match="lens"):
+        Scenario.prompt(())
+    with pytest.raises(ValueError, match="lens"):
+        Scenario.padded_decode((0, 2))
+    with pytest.raises(ValueError, match="new_len"):
+        Scenario.continuation(1, 2, 0)
+
+
+def test_padded_decode_skips_when_the_original_depends_on_padding_slots():
+    """A sliding window counted over cache slots (HF's torch23 form) sees the prompt's padding:
+    a padded row then differs from the same row alone, so the scenario is out of contract."""
+    from model_builder import DecoderConfig, build_decoder
+
+    model = build_decoder(DecoderConfig(sliding_window=3, layers=1))
+    result = compare_models(model, model, scenarios=[Scenario.padded_decode((6, 2))])
+    (scenario,) = result.scenarios
+    assert scenario.skipped and "differs from the row run alone" in scenario.skipped
+    # Within the window the slots do not matter and the scenario runs.
+    result = compare_models(model, model, scenarios=[Scenario.padded_decode((2, 1), steps=1)])
+    assert result.scenarios[0].skipped is None and result.passed
