@@ -12,17 +12,52 @@ from hypothesis import HealthCheck, settings
 TESTS = Path(__file__).parent
 sys.path.insert(0, str(TESTS))  # `import model_builder` from any test folder
 
+# Hypothesis profiles. "ci" is the default: derandomized (the same examples on every run, so CI
+# is reproducible) and bounded so the property suite stays within a few minutes on 2 cores.
+# "dev" draws fresh random examples; "thorough" is for a long hunt before a release.
+# Choose one with `pytest --hypothesis-profile=NAME` (hypothesis's pytest plugin) or the
+# HYPOTHESIS_PROFILE environment variable; the command-line flag wins.
 settings.register_profile(
     "ci",
     derandomize=True,
     max_examples=12,
     deadline=None,
     print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+settings.register_profile(
+    "dev",
+    max_examples=25,
+    deadline=None,
+    print_blob=True,
     suppress_health_check=[HealthCheck.too_slow],
 )
-settings.register_profile("thorough", max_examples=300, deadline=None, print_blob=True)
-settings.register_profile("dev", max_examples=25, deadline=None, print_blob=True)
-settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+settings.register_profile(
+    "thorough",
+    max_examples=300,
+    deadline=None,
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+DEFAULT_PROFILE = "ci"
+
+
+def selected_profile(cli_profile: str | None) -> str:
+    """The profile to load: the --hypothesis-profile flag, else $HYPOTHESIS_PROFILE, else ci."""
+    return cli_profile or os.environ.get("HYPOTHESIS_PROFILE") or DEFAULT_PROFILE
+
+
+# Loaded at import so that a bare `import` of a test module sees a profile too; pytest_configure
+# below re-applies the choice so that the command-line flag wins whatever the hook order.
+settings.load_profile(selected_profile(None))
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    try:
+        cli = config.getoption("--hypothesis-profile")
+    except ValueError:  # hypothesis's pytest plugin disabled (-p no:hypothesispytest)
+        cli = None
+    settings.load_profile(selected_profile(cli))
 
 
 @pytest.fixture(scope="session")

@@ -37,7 +37,7 @@ import zlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import numpy as np
 import onnx
@@ -46,6 +46,7 @@ import onnxruntime as ort
 from epfuse.optimizer.tolerances import Tolerance, tolerance_for
 
 SCENARIOS: tuple[str, ...] = ("prompt", "decode", "chunk", "padded", "padded_decode")
+SCENARIO_KINDS: tuple[str, ...] = ("prompt", "continue", "padded_decode")
 
 ModelLike = str | os.PathLike | onnx.ModelProto | Any  # Any: an onnx_ir.Model
 
@@ -542,11 +543,9 @@ class Scenario:
     new_len: int = 1
     steps: int = 1
 
-    KINDS: ClassVar[tuple[str, ...]] = ("prompt", "continue", "padded_decode")
-
     def __post_init__(self) -> None:
-        if self.kind not in self.KINDS:
-            raise ValueError(f"unknown scenario kind {self.kind!r}; known: {self.KINDS}")
+        if self.kind not in SCENARIO_KINDS:
+            raise ValueError(f"unknown scenario kind {self.kind!r}; known: {SCENARIO_KINDS}")
         if self.past_len < 0 or self.new_len < 1 or self.steps < 1:
             raise ValueError(f"{self.name}: need past_len >= 0, new_len >= 1, steps >= 1")
         if not self.lens or min(self.lens) < 1:
