@@ -258,6 +258,12 @@ class AttentionToGQA(Rule):
             )
         if pos.dtype != ir.DataType.INT64:
             return _RopePlan(False, rq, rk, "position_ids are not int64")
+        if not pos.is_graph_input():
+            # Fused rotary on a first prompt uses position_ids[b, 0] + arange: only the graph
+            # input is under that (documented) contract, not ids computed from it.
+            return _RopePlan(
+                False, rq, rk, "RoPE positions are computed, not the position_ids input"
+            )
         return _RopePlan(True, rq, rk, None)
 
 
