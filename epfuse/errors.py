@@ -19,3 +19,8 @@ class UnsupportedModelError(EpfuseError):
 
 class ValidationError(EpfuseError):
     """The rewritten model failed final validation; it is never returned."""
+
+
+class VerificationError(EpfuseError):
+    """``optimize(verify=True)`` could not produce a model equivalent to the original (or the
+    original itself does not run on ORT CPU, so nothing can be verified)."""

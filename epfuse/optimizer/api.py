@@ -4,17 +4,19 @@ from __future__ import annotations
 
 import json
 import os
+import re
+from collections.abc import Iterable
 from typing import TypeVar, overload
 
 import onnx
 import onnx_ir as ir
 
 from epfuse.capabilities import DTYPES, EPCapabilities, get_ep
-from epfuse.errors import UnsupportedModelError
+from epfuse.errors import UnsupportedModelError, VerificationError
 from epfuse.patterns import OptimizeOptions
 
 from .io import load_model
-from .manager import PassManager
+from .manager import SKIPPED_REASON, PassManager
 from .report import METADATA_KEY, Report
 from .validate import validate
 
@@ -48,34 +50,152 @@ def optimize_with_report(
     *,
     max_seq_len: int = OptimizeOptions.max_seq_len,
     validate_output: bool = True,
+    verify: bool = False,
+    skip_layers: Iterable[int] = (),
 ):
     """Optimize and return ``(optimized_model, report)``.
 
     ``model`` may be a path, an ``onnx.ModelProto`` (a ModelProto is returned) or an
     ``onnx_ir.Model`` (an ``onnx_ir.Model`` is returned; the argument itself is not changed).
     The report is also stored as JSON in the output's ``metadata_props["epfuse.report"]``.
+
+    ``skip_layers``: attention layers (report indices) that no lowering may touch.
+
+    ``verify=True`` compares the result with the original on ORT CPU
+    (:func:`epfuse.optimizer.verify.compare_models`, default scenarios, lengths past any
+    sliding window). When it fails, every fused layer is re-optimized alone; the layers whose
+    rewrite alone fails are rolled back to their canonical standard form (reported as kept,
+    "rolled back: failed verification (max err ...)"), and the rolled-back model is verified
+    again. If that still fails, all lowerings are rolled back; if even that fails (a broken
+    canonicalization), :class:`epfuse.errors.VerificationError` is raised. The returned model
+    always passed verification.
     """
     record = get_ep(ep)
     if max_seq_len < 1:
         raise ValueError("max_seq_len must be positive")
     as_proto = isinstance(model, onnx.ModelProto)
     if as_proto:
-        work = ir.serde.deserialize_model(model)
+        source = ir.serde.deserialize_model(model)
     elif isinstance(model, ir.Model):
-        work = ir.serde.deserialize_model(ir.to_proto(model))
+        source = ir.serde.deserialize_model(ir.to_proto(model))
     else:
-        work = load_model(model)
-    dtype = model_dtype(work)
-    options = OptimizeOptions(max_seq_len=max_seq_len)
-    report = PassManager().run(work, record, dtype, options)
-    if not report.layers:
-        raise UnsupportedModelError("no attention found in the model (nothing to optimize)")
-    if validate_output:
-        note = validate(work)
-        if note:
-            report.assumptions.append(note)
+        source = load_model(model)
+    dtype = model_dtype(source)
+    original = ir.to_proto(source) if verify else None
+
+    def run(skip: Iterable[int], reuse_source: bool = False) -> tuple[ir.Model, Report]:
+        work = source if reuse_source else ir.serde.deserialize_model(original)
+        options = OptimizeOptions(max_seq_len=max_seq_len, skip_layers=frozenset(skip))
+        report = PassManager().run(work, record, dtype, options)
+        if not report.layers:
+            raise UnsupportedModelError("no attention found in the model (nothing to optimize)")
+        if validate_output:
+            note = validate(work)
+            if note:
+                report.assumptions.append(note)
+        return work, report
+
+    work, report = run(skip_layers, reuse_source=True)
+    if original is not None:
+        work, report = _verified(original, work, report, run, skip_layers)
     work.metadata_props[METADATA_KEY] = report.to_json()
     return (ir.to_proto(work) if as_proto else work), report
+
+
+def _verified(original: onnx.ModelProto, work: ir.Model, report: Report, run, skip_layers):
+    """Verify ``work``; roll back the layers whose rewrite breaks equivalence (see above)."""
+    from .verify import compare_models
+
+    lengths = _verify_lengths(report)
+
+    def check(candidate: ir.Model):
+        try:
+            result = compare_models(original, ir.to_proto(candidate), **lengths)
+        except Exception as err:
+            raise VerificationError(f"cannot verify: {_first_line(err)}") from None
+        for scenario in result.scenarios:
+            if scenario.error and scenario.error.startswith("original model failed"):
+                raise VerificationError(
+                    f"cannot verify on ORT CPU: {scenario.name}: {scenario.error}"
+                )
+        return result
+
+    result = check(work)
+    if result.passed:
+        report.verification = f"passed ({_scenario_list(result)})"
+        return work, report
+    base_skip = set(skip_layers)
+    fused = [layer.layer for layer in report.layers if layer.fused]
+    failing: dict[int, str] = {}
+    for index in fused:
+        alone, _ = run(base_skip | (set(fused) - {index}))
+        single = check(alone)
+        if not single.passed:
+            failing[index] = _worst(single)
+    if not failing:  # only the combination fails: no single culprit
+        failing = dict.fromkeys(fused, _worst(result))
+    work, report = run(base_skip | set(failing))
+    again = check(work)
+    if not again.passed and set(failing) != set(fused):
+        failing = {**dict.fromkeys(fused, _worst(result)), **failing}
+        work, report = run(base_skip | set(fused))
+        again = check(work)
+    if not again.passed:
+        raise VerificationError(
+            "the model fails verification even with every lowering rolled back "
+            f"(canonicalization is not equivalent): {_worst(again)}"
+        )
+    for layer in report.layers:
+        if layer.layer in failing:
+            layer.reasons = [r for r in layer.reasons if r != SKIPPED_REASON]
+            layer.reasons.append(f"rolled back: failed verification ({failing[layer.layer]})")
+    rolled = ", ".join(str(i) for i in sorted(failing))
+    report.verification = (
+        f"passed after rolling back layer(s) {rolled} ({_scenario_list(again)}); "
+        f"the full rewrite failed: {_worst(result)}"
+    )
+    return work, report
+
+
+def _verify_lengths(report: Report) -> dict[str, int]:
+    """Scenario lengths past every sliding window the optimized layers carry."""
+    window = 0
+    for layer in report.layers:
+        for note in layer.notes:
+            for match in re.finditer(r"sliding window (\d+)", note):
+                window = max(window, int(match.group(1)))
+    window = min(window, max(report.options.get("max_seq_len", 4096) - 4, 0))
+    return {
+        "prompt_len": max(7, window + 3),
+        "decode_past_len": max(6, window + 2),
+        "chunk_past_len": max(5, window + 1),
+    }
+
+
+def _scenario_list(result) -> str:
+    ran = [s.name for s in result.scenarios if s.skipped is None]
+    skipped = [s.name for s in result.scenarios if s.skipped is not None]
+    text = "scenarios " + ", ".join(ran)
+    return text + (f"; skipped {', '.join(skipped)}" if skipped else "")
+
+
+def _worst(result) -> str:
+    """'max err X on OUTPUT in SCENARIO' for the worst failing comparison (or the error)."""
+    worst = None
+    for scenario in result.scenarios:
+        if scenario.error:
+            return f"{scenario.name}: {scenario.error}"
+        for c in scenario.comparisons:
+            if not c.passed and (worst is None or c.ratio > worst.ratio):
+                worst = c
+    if worst is None:
+        return "no comparison failed"
+    return f"max err {worst.max_abs_err:.3g} on {worst.output} in {worst.scenario}"
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {text[0][:300]}" if text else type(err).__name__
 
 
 def read_report(model: onnx.ModelProto | ir.Model) -> Report | None:

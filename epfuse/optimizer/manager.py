@@ -21,11 +21,12 @@ import onnx_ir.passes.common as common_passes
 
 from epfuse.capabilities import EPCapabilities
 from epfuse.patterns import RULES, Kept, OptimizeOptions, RewriteContext, Rewritten, Rule, Stage
+from epfuse.patterns.base import LAYER_KEY
 
 from .report import LayerReport, Report, RuleReport
 
 MAX_SWEEPS = 8
-LAYER_KEY = "epfuse.layer"
+SKIPPED_REASON = "excluded by skip_layers: no lowering applied"
 
 
 def _is_attention(node: ir.Node) -> bool:
@@ -44,7 +45,10 @@ class PassManager:
     ) -> Report:
         start = time.perf_counter()
         graph = model.graph
-        report = Report(ep=ep.name, dtype=dtype, options={"max_seq_len": options.max_seq_len})
+        report_options: dict = {"max_seq_len": options.max_seq_len}
+        if options.skip_layers:
+            report_options["skip_layers"] = sorted(options.skip_layers)
+        report = Report(ep=ep.name, dtype=dtype, options=report_options)
         report.nodes_before = len(graph)
         ctx = RewriteContext(model=model, ep=ep, dtype=dtype, options=options)
         _infer_types(model)
@@ -75,6 +79,9 @@ class PassManager:
                 for layer in layers:
                     layer.reasons.append(reason)
         by_layer = {layer.layer: layer for layer in layers}
+        for index in sorted(options.skip_layers):
+            if index in by_layer:
+                by_layer[index].reasons.append(SKIPPED_REASON)
         self._sweep(ctx, selected, rule_reports, by_layer)
 
         self._cleanup(model)
@@ -106,6 +113,8 @@ class PassManager:
             for node in list(graph):
                 if node.graph is not graph:
                     continue  # removed by an earlier rewrite in this sweep
+                if ctx.options.skip_layers and ctx.skips(node):
+                    continue  # a skipped layer's attention is offered to no rule
                 for rule in by_anchor.get((node.domain, node.op_type), ()):
                     outcome = rule.apply(node, ctx)
                     if outcome is None:

@@ -43,6 +43,9 @@ class Report:
     nodes_after: int = 0
     ops_after: dict[str, int] = dataclasses.field(default_factory=dict)
     seconds: float = 0.0
+    verification: str | None = None
+    """With ``optimize(verify=True)``: the verdict against the original, and what was rolled
+    back (None when not verified)."""
 
     @property
     def fused_layers(self) -> int:
@@ -81,6 +84,8 @@ class Report:
         skipped = [r for r in self.rules if not r.selected]
         for r in skipped:
             lines.append(f"  {r.stage:<12} {r.name:<30} not selected: {r.not_selected_because}")
+        if self.verification:
+            lines += ["", f"verification: {self.verification}"]
         if self.assumptions:
             lines += ["", "the optimized model assumes:"]
             lines += [f"  - {a}" for a in self.assumptions]

@@ -45,10 +45,18 @@ class Rewritten:
 Outcome = Kept | Rewritten | None
 
 
+LAYER_KEY = "epfuse.layer"
+"""Node metadata key holding the attention-layer index the pass manager gave the node."""
+
+
 @dataclasses.dataclass
 class OptimizeOptions:
     max_seq_len: int = 4096
     """Rows of the constant cos/sin caches made from run-time RoPE; longer sequences fail in ORT."""
+    skip_layers: frozenset[int] = frozenset()
+    """Attention layers (report indices) that no lowering rule may touch; they keep their
+    canonical standard form. Used by ``optimize(verify=True)`` to roll back layers whose
+    rewrite fails verification."""
 
 
 @dataclasses.dataclass
@@ -67,6 +75,15 @@ class RewriteContext:
     @property
     def ops(self) -> OpSupport:
         return self.ep.ops(self.dtype)
+
+    def skips(self, node: ir.Node) -> bool:
+        """True when ``node`` belongs to a layer in ``options.skip_layers``.
+
+        The pass manager never offers a lowering rule the attention node of a skipped layer;
+        a lowering anchored on another op of the layer must ask this before editing.
+        """
+        layer = node.metadata_props.get(LAYER_KEY)
+        return layer is not None and int(layer) in self.options.skip_layers
 
 
 class Rule:
