@@ -1,10 +1,12 @@
 """The ``epfuse`` command line.
 
-    epfuse optimize [IN] [-o OUT] [--ep EP] [--report FILE.json] [--max-seq-len N]
+    epfuse optimize [IN] [-o OUT] [--ep EP] [--report FILE.json] [--max-seq-len N] [--verify]
+    epfuse verify ORIGINAL OPTIMIZED [--prompt-len N]
     epfuse capabilities [--ep EP]
 
 Every failure is one line on stderr and a non-zero exit: 1 for bad input or a model epfuse
-cannot handle, 2 for bad usage, 3 for an internal error (``--debug`` shows the traceback).
+cannot handle, 2 for bad usage, 3 for an internal error (``--debug`` shows the traceback),
+4 when ``epfuse verify`` finds the models not equivalent.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from pathlib import Path
 from epfuse.capabilities import DTYPES, all_eps, get_ep, known_eps
 from epfuse.errors import EpfuseError
 
-EXIT_INPUT, EXIT_USAGE, EXIT_INTERNAL = 1, 2, 3
+EXIT_INPUT, EXIT_USAGE, EXIT_INTERNAL, EXIT_NOT_EQUIVALENT = 1, 2, 3, 4
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -69,8 +71,32 @@ def _parser() -> argparse.ArgumentParser:
         default=4096,
         help="rows of the cos/sin caches made from run-time RoPE (default 4096)",
     )
+    opt.add_argument(
+        "--verify",
+        action="store_true",
+        help="compare with the original on ORT CPU; roll back layers whose rewrite fails",
+    )
     opt.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
     opt.set_defaults(handler=_optimize)
+
+    ver = sub.add_parser(
+        "verify",
+        help="check on ORT CPU that OPTIMIZED computes what ORIGINAL computes",
+        description="Run both models on ORT CPU for a prompt, decode with a real past, chunked "
+        "prefill, a right-padded batch and decode after a padded prompt (inputs made from the "
+        "models' input signatures); print max abs/rel error per output and PASS or FAIL "
+        f"(exit {EXIT_NOT_EQUIVALENT}).",
+    )
+    ver.add_argument("original", help="the model before optimization")
+    ver.add_argument("optimized", help="the optimized model")
+    ver.add_argument(
+        "--prompt-len",
+        type=int,
+        default=7,
+        help="prompt length (raise it past a sliding window; default 7)",
+    )
+    ver.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
+    ver.set_defaults(handler=_verify)
 
     caps = sub.add_parser("capabilities", help="print what each execution provider supports")
     caps.add_argument("--ep", help="only this execution provider")
@@ -96,7 +122,9 @@ def _optimize(args: argparse.Namespace) -> int:
         raise EpfuseError(f"{output}: refusing to overwrite the input model")
     if args.max_seq_len < 1:
         raise EpfuseError("--max-seq-len must be positive")
-    model, report = optimize_with_report(source, record, max_seq_len=args.max_seq_len)
+    model, report = optimize_with_report(
+        source, record, max_seq_len=args.max_seq_len, verify=args.verify
+    )
     save_model(model, output)
     if args.report:
         Path(args.report).write_text(report.to_json(indent=2) + "\n")
@@ -104,6 +132,46 @@ def _optimize(args: argparse.Namespace) -> int:
     print(report.summary())
     print(f"\nwrote {output}")
     return 0
+
+
+def _verify(args: argparse.Namespace) -> int:
+    import onnx_ir as ir
+
+    from epfuse.optimizer.io import load_model
+    from epfuse.optimizer.verify import compare_models
+
+    if args.prompt_len < 1:
+        raise EpfuseError("--prompt-len must be positive")
+    models = [ir.to_proto(load_model(Path(p))) for p in (args.original, args.optimized)]
+    kwargs = {
+        "prompt_len": args.prompt_len,
+        "decode_past_len": max(1, args.prompt_len - 1),
+        "chunk_past_len": max(1, args.prompt_len - 2),
+    }
+    try:
+        result = compare_models(*models, **kwargs)
+    except ValueError as err:  # I/O roles not recognised or not matching
+        raise EpfuseError(f"cannot compare these models: {err}") from None
+    print(f"original:  {args.original}\noptimized: {args.optimized}\n")
+    print(result)
+    print("\nper output (worst over all scenarios):")
+    worst: dict[str, tuple[float, float]] = {}
+    for scenario in result.scenarios:
+        for c in scenario.comparisons:
+            abs_err, rel_err = worst.get(c.output, (0.0, 0.0))
+            worst[c.output] = (max(abs_err, c.max_abs_err), max(rel_err, c.max_rel_err))
+    width = max((len(name) for name in worst), default=6)
+    for name, (abs_err, rel_err) in worst.items():
+        print(f"  {name:<{width}}  max abs {abs_err:.3g}  max rel {rel_err:.3g}")
+    errors = [f"{s.name}: {s.error}" for s in result.scenarios if s.error]
+    for line in errors:
+        print(f"  error in {line}")
+    if result.passed:
+        print("\nPASS")
+        return 0
+    failed = ", ".join(result.failed_scenarios())
+    print(f"\nFAIL ({failed})")
+    return EXIT_NOT_EQUIVALENT
 
 
 _COLUMNS = (

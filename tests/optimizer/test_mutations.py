@@ -1,0 +1,233 @@
+"""Mutation check: inject known rewrite defects into correctly optimized models, one at a time,
+and prove that the equivalence harness (``compare_models``, the default scenarios that
+``epfuse verify`` and ``optimize(verify=True)`` run) FAILS on each.
+
+Each test first shows the unmutated (or correctly constructed) model passes, so a failure is
+caused by the injected defect alone. The defects are those seen in real rewriters (facts
+file): a dropped padding mask, a lost ``interleaved``, a sliding window off by one, seqlens_k
+off by one, fused rotary on non-contiguous positions, a wrongly packed QKV weight.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from model_builder import DecoderConfig, build_decoder
+from onnx import helper, numpy_helper
+
+import epfuse
+from epfuse.optimizer.cli import EXIT_NOT_EQUIVALENT, main
+from epfuse.optimizer.verify import compare_models
+
+
+def _copy(model: onnx.ModelProto) -> onnx.ModelProto:
+    return onnx.ModelProto.FromString(model.SerializeToString())
+
+
+def _gqa(model: onnx.ModelProto) -> list[onnx.NodeProto]:
+    return [n for n in model.graph.node if n.op_type == "GroupQueryAttention"]
+
+
+def _set_attr(node: onnx.NodeProto, name: str, value) -> None:
+    for a in node.attribute:
+        if a.name == name:
+            node.attribute.remove(a)
+            break
+    node.attribute.append(helper.make_attribute(name, value))
+
+
+def _attr(node: onnx.NodeProto, name: str, default=None):
+    for a in node.attribute:
+        if a.name == name:
+            return helper.get_attribute_value(a)
+    return default
+
+
+def _producer(model: onnx.ModelProto, value: str) -> onnx.NodeProto:
+    return next(n for n in model.graph.node if value in n.output)
+
+
+def _init(model: onnx.ModelProto, name: str) -> np.ndarray:
+    return numpy_helper.to_array(next(t for t in model.graph.initializer if t.name == name))
+
+
+def _optimized(cfg: DecoderConfig, ep: str = "cpu") -> tuple[onnx.ModelProto, onnx.ModelProto]:
+    original = build_decoder(cfg)
+    optimized = epfuse.optimize(original, ep)
+    assert compare_models(original, optimized).passed  # the control: no defect, no failure
+    return original, optimized
+
+
+def _assert_caught(original, mutant, **kwargs) -> list[str]:
+    result = compare_models(original, mutant, **kwargs)
+    assert not result.passed, f"the harness missed the defect:\n{result}"
+    return result.failed_scenarios()
+
+
+# --------------------------------------------------------------------------------- masks
+
+
+def test_seqlens_k_total_minus_one_for_every_row_is_caught():
+    """The padding mask is dropped: GQA's seqlens_k = total - 1 for all rows.
+
+    Only decode after a padded prompt can show this on valid rows (causality hides padded
+    keys in a right-padded prompt), which is why the harness has that scenario.
+    """
+    original, mutant = _optimized(DecoderConfig(layers=2))
+    g = mutant.graph
+    g.initializer.append(numpy_helper.from_array(np.array(1, np.int32), "mut_one"))
+    g.node.extend(
+        [
+            helper.make_node("Sub", ["epfuse_total_sequence_length", "mut_one"], ["mut_t1"]),
+            helper.make_node("Shape", ["input_ids"], ["mut_batch"], start=0, end=1),
+            helper.make_node("Expand", ["mut_t1", "mut_batch"], ["mut_seqlens"]),
+        ]
+    )
+    for node in _gqa(mutant):
+        node.input[5] = "mut_seqlens"
+    mutant = _sorted(mutant)
+    assert _assert_caught(original, mutant) == ["padded_decode"]
+
+
+def test_attention_without_mask_is_caught():
+    """The standard-ONNX output (``default`` EP) loses the Attention mask input."""
+    original, mutant = _optimized(DecoderConfig(style="mobius", layers=2), ep="default")
+    for node in mutant.graph.node:
+        if node.op_type == "Attention":
+            node.input[3] = ""  # is_causal=1 stays: only the padding is lost
+    assert _assert_caught(original, mutant) == ["padded_decode"]
+
+
+def test_seqlens_k_equal_to_length_is_caught():
+    """seqlens_k = ReduceSum(mask) instead of ReduceSum(mask) - 1."""
+    original, mutant = _optimized(DecoderConfig(layers=2))
+    cast = _producer(mutant, "epfuse_seqlens_k")
+    sub = _producer(mutant, cast.input[0])
+    assert sub.op_type == "Sub"
+    mutant.graph.initializer.append(numpy_helper.from_array(np.array(0, np.int64), "mut_zero"))
+    sub.input[1] = "mut_zero"
+    failed = _assert_caught(original, mutant)
+    assert "prompt" in failed and "decode" in failed
+
+
+# ---------------------------------------------------------------------------------- RoPE
+
+
+@pytest.mark.parametrize("ep", ["cpu", "dml"])
+def test_lost_interleaved_is_caught(ep):
+    """cpu: GQA's rotary_interleaved flipped; dml: the RotaryEmbedding left outside GQA loses
+    interleaved (the mobius rewriter's defect when it splits RoPE out for DML)."""
+    original, mutant = _optimized(DecoderConfig(interleaved=True, layers=2), ep=ep)
+    touched = 0
+    for node in mutant.graph.node:
+        if node.op_type == "GroupQueryAttention" and _attr(node, "do_rotary"):
+            _set_attr(node, "rotary_interleaved", 0)
+            touched += 1
+        elif node.op_type == "RotaryEmbedding":
+            _set_attr(node, "interleaved", 0)
+            touched += 1
+    assert touched
+    assert "prompt" in _assert_caught(original, mutant)
+
+
+def test_fused_rotary_on_non_contiguous_positions_is_caught():
+    """The original rotates by 2 * position_ids (computed in the graph); the mutant hands those
+    ids to GQA with do_rotary=1, whose first prompt uses position_ids[b, 0] + arange."""
+    cfg = DecoderConfig(style="mobius", layers=2)
+    original = build_decoder(cfg)
+    original.graph.initializer.append(numpy_helper.from_array(np.array(2, np.int64), "two"))
+    original.graph.node.insert(0, helper.make_node("Mul", ["position_ids", "two"], ["pos2"]))
+    for node in original.graph.node:
+        if node.op_type == "RotaryEmbedding":
+            node.input[3] = "pos2"
+    # epfuse keeps such RoPE outside GQA (do_rotary=0), which is equivalent ...
+    correct = epfuse.optimize(original, "cpu")
+    assert {_attr(n, "do_rotary") for n in _gqa(correct)} == {0}
+    assert compare_models(original, correct).passed
+    # ... while fusing it is the defect.
+    mutant = epfuse.optimize(build_decoder(cfg), "cpu")
+    assert {_attr(n, "do_rotary") for n in _gqa(mutant)} == {1}
+    mutant.graph.initializer.append(numpy_helper.from_array(np.array(2, np.int64), "two"))
+    mutant.graph.node.insert(0, helper.make_node("Mul", ["position_ids", "two"], ["pos2"]))
+    for node in _gqa(mutant):
+        node.input[9] = "pos2"
+    failed = _assert_caught(original, mutant)
+    assert "prompt" in failed and "padded" in failed
+
+
+# ------------------------------------------------------------------------ sliding window
+
+
+@pytest.mark.parametrize("delta", [1, -1])
+@pytest.mark.parametrize("style", ["torch23", "mobius"])
+def test_sliding_window_off_by_one_is_caught(style, delta):
+    original, mutant = _optimized(DecoderConfig(style=style, sliding_window=3, layers=2))
+    for node in _gqa(mutant):
+        assert _attr(node, "local_window_size") == 3
+        _set_attr(node, "local_window_size", 3 + delta)
+    failed = _assert_caught(original, mutant)  # default lengths (7, 6, 5+3) pass the window
+    assert "prompt" in failed and "decode" in failed
+
+
+# --------------------------------------------------------------------------- packed QKV
+
+
+def _pack_qkv(model: onnx.ModelProto, transpose_blocks: bool) -> onnx.ModelProto:
+    """GQA with packed QKV: one MatMul(h, [Wq | Wk | Wv]) feeds input 0; inputs 1, 2 empty.
+    ``transpose_blocks`` packs each (square) block transposed: the defect."""
+    model = _copy(model)
+    for index, node in enumerate(_gqa(model)):
+        matmuls = [_producer(model, node.input[i]) for i in range(3)]
+        assert all(m.op_type == "MatMul" for m in matmuls), "expects q/k/v straight from MatMul"
+        assert len({m.input[0] for m in matmuls}) == 1
+        blocks = [_init(model, m.input[1]) for m in matmuls]
+        if transpose_blocks:
+            blocks = [b.T for b in blocks]
+        name = f"mut_qkv_{index}"
+        model.graph.initializer.append(numpy_helper.from_array(np.concatenate(blocks, 1), name))
+        packed = helper.make_node("MatMul", [matmuls[0].input[0], name], [f"{name}_out"])
+        model.graph.node.insert(list(model.graph.node).index(node), packed)
+        node.input[0], node.input[1], node.input[2] = f"{name}_out", "", ""
+    return model
+
+
+def test_transposed_packed_qkv_weight_is_caught():
+    # MHA (square q/k/v blocks) in the mobius form, where q/k/v come straight from MatMul.
+    cfg = DecoderConfig(style="mobius", heads=4, kv_heads=4, layers=2)
+    original, optimized = _optimized(cfg)
+    packed = _pack_qkv(optimized, transpose_blocks=False)
+    assert compare_models(original, packed).passed  # the packed construction itself is right
+    assert _assert_caught(original, _pack_qkv(optimized, transpose_blocks=True)) == [
+        "prompt",
+        "decode",
+        "chunk",
+        "padded",
+        "padded_decode",
+    ]
+
+
+# ------------------------------------------------------------------------- epfuse verify
+
+
+def test_epfuse_verify_reports_fail_on_a_mutant(tmp_path, capsys):
+    original, mutant = _optimized(DecoderConfig(interleaved=True, layers=1))
+    for node in _gqa(mutant):
+        _set_attr(node, "rotary_interleaved", 0)
+    onnx.save(original, tmp_path / "a.onnx")
+    onnx.save(mutant, tmp_path / "b.onnx")
+    assert main(["verify", str(tmp_path / "a.onnx"), str(tmp_path / "b.onnx")]) == (
+        EXIT_NOT_EQUIVALENT
+    )
+    out = capsys.readouterr().out
+    assert out.rstrip().splitlines()[-1].startswith("FAIL (prompt")
+
+
+def _sorted(model: onnx.ModelProto) -> onnx.ModelProto:
+    """Topologically sort ``model``'s nodes (mutations append nodes at the end)."""
+    import onnx_ir as ir
+    import onnx_ir.passes.common as common_passes
+
+    work = ir.serde.deserialize_model(model)
+    common_passes.TopologicalSortPass()(work)
+    return ir.to_proto(work)
