@@ -1,0 +1,149 @@
+"""optimize(verify=True): per-layer rollback of rewrites that fail verification, and
+OptimizeOptions.skip_layers."""
+
+from __future__ import annotations
+
+import onnx
+import onnx_ir as ir
+import pytest
+from model_builder import DecoderConfig, build_decoder
+from onnx import helper
+
+import epfuse
+import epfuse.optimizer.api as api
+from epfuse.errors import VerificationError
+from epfuse.optimizer.cli import main
+from epfuse.optimizer.manager import PassManager
+from epfuse.optimizer.verify import compare_models
+from epfuse.patterns import RULES, Rewritten
+from epfuse.patterns.lower.gqa import AttentionToGQA
+
+
+def _gqa(model: onnx.ModelProto) -> list[onnx.NodeProto]:
+    return [n for n in model.graph.node if n.op_type == "GroupQueryAttention"]
+
+
+class _FlipInterleaved(AttentionToGQA):
+    """A defective GQA lowering: on the given layers it loses ``interleaved``."""
+
+    def __init__(self, bad_layers: set[int]):
+        self.bad_layers = bad_layers
+
+    def apply(self, node, ctx):
+        layer = int(node.metadata_props.get("epfuse.layer", -1))
+        outcome = super().apply(node, ctx)
+        if isinstance(outcome, Rewritten) and layer in self.bad_layers:
+            gqa = next(
+                n
+                for n in ctx.graph
+                if n.op_type == "GroupQueryAttention"
+                and n.metadata_props.get("epfuse.layer") == str(layer)
+            )
+            gqa.attributes["rotary_interleaved"] = ir.AttrInt64("rotary_interleaved", 0)
+        return outcome
+
+
+@pytest.fixture
+def defective_lowering(monkeypatch):
+    def install(bad_layers: set[int]) -> None:
+        rules = tuple(
+            _FlipInterleaved(bad_layers) if isinstance(r, AttentionToGQA) else r for r in RULES
+        )
+        monkeypatch.setattr(api, "PassManager", lambda: PassManager(rules))
+
+    return install
+
+
+def test_skip_layers_keeps_those_layers_standard():
+    original = build_decoder(DecoderConfig(layers=3))
+    optimized, report = epfuse.optimize_with_report(original, "cpu", skip_layers={0, 2})
+    assert [layer.fused for layer in report.layers] == [False, True, False]
+    assert "excluded by skip_layers" in report.layers[0].reasons[0]
+    assert report.options["skip_layers"] == [0, 2]
+    assert len(_gqa(optimized)) == 1
+    assert sum(n.op_type == "Attention" for n in optimized.graph.node) == 2
+    assert compare_models(original, optimized).passed
+
+
+def test_verify_passes_through_a_correct_model():
+    original = build_decoder(DecoderConfig(layers=2, sliding_window=3))
+    optimized, report = epfuse.optimize_with_report(original, "cpu", verify=True)
+    assert report.fused_layers == 2
+    assert report.verification.startswith("passed (scenarios prompt")
+    assert epfuse.read_report(optimized).verification == report.verification
+
+
+def test_verify_rolls_back_only_the_broken_layer(defective_lowering):
+    cfg = DecoderConfig(layers=3, interleaved=True)
+    original = build_decoder(cfg)
+    defective_lowering({1})
+    unverified = epfuse.optimize(original, "cpu")
+    assert not compare_models(original, unverified).passed  # the defect is real
+    optimized, report = epfuse.optimize_with_report(original, "cpu", verify=True)
+    assert [layer.fused for layer in report.layers] == [True, False, True]
+    assert report.layers[1].result == "Attention (kept)"
+    (reason,) = report.layers[1].reasons
+    assert reason.startswith("rolled back: failed verification (max err ")
+    assert "passed after rolling back layer(s) 1" in report.verification
+    assert len(_gqa(optimized)) == 2
+    assert compare_models(original, optimized).passed
+
+
+def test_verify_rolls_back_every_broken_layer(defective_lowering):
+    original = build_decoder(DecoderConfig(layers=3, interleaved=True))
+    defective_lowering({0, 2})
+    optimized, report = epfuse.optimize_with_report(original, "cpu", verify=True)
+    assert [layer.fused for layer in report.layers] == [False, True, False]
+    assert compare_models(original, optimized).passed
+
+
+def test_verify_raises_when_even_the_canonical_form_fails(monkeypatch):
+    original = build_decoder(DecoderConfig(layers=1))
+
+    real_run = PassManager.run
+
+    def broken_canonicalization(self, model, ep, dtype, options):
+        report = real_run(self, model, ep, dtype, options)
+        lm_head = model.graph.initializers["lm_head.weight"]
+        array = lm_head.const_value.numpy().copy()
+        array[0, 0] += 1.0
+        lm_head.const_value = ir.tensor(array, name="lm_head.weight")
+        return report
+
+    monkeypatch.setattr(PassManager, "run", broken_canonicalization)
+    with pytest.raises(VerificationError, match="even with every lowering rolled back"):
+        epfuse.optimize(original, "cpu", verify=True)
+
+
+def test_verify_needs_an_original_that_runs_on_cpu():
+    original = build_decoder(DecoderConfig(layers=1, dtype="bfloat16", style="mobius"))
+    with pytest.raises(VerificationError, match="cannot verify"):
+        epfuse.optimize(original, "cuda", verify=True)
+
+
+def test_cli_optimize_verify(tmp_path, capsys, defective_lowering):
+    source = tmp_path / "m.onnx"
+    onnx.save(build_decoder(DecoderConfig(layers=2, interleaved=True)), source)
+    defective_lowering({0})
+    assert main(["optimize", str(source), "-o", str(tmp_path / "o.onnx"), "--verify"]) == 0
+    out = capsys.readouterr().out
+    assert "rolled back: failed verification" in out
+    assert "verification: passed after rolling back layer(s) 0" in out
+    assert main(["verify", str(source), str(tmp_path / "o.onnx")]) == 0
+    assert capsys.readouterr().out.rstrip().endswith("PASS")
+
+
+def test_cli_verify_bad_input_is_one_line(tmp_path, capsys, example_model):
+    assert main(["verify", str(tmp_path / "missing.onnx"), str(example_model)]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"epfuse: error: {tmp_path / 'missing.onnx'}: no such file"]
+
+    # a model whose inputs are not a decoder's
+    x = helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1])
+    y = helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1])
+    graph = helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "g", [x], [y])
+    onnx.save(helper.make_model(graph), tmp_path / "id.onnx")
+    assert main(["verify", str(tmp_path / "id.onnx"), str(tmp_path / "id.onnx")]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("epfuse: error: cannot compare these models")
+    assert main(["verify", str(example_model), str(example_model), "--prompt-len", "0"]) == 1
