@@ -20,10 +20,12 @@ become the model's position feed) plus a ``mrope_section`` field in ``decoder_co
 
 from __future__ import annotations
 
+from hypothesis import note
 from hypothesis import strategies as st
-from model_builder import DecoderConfig
+from model_builder import DecoderConfig, build_decoder
 
-from epfuse.optimizer.verify import Scenario
+import epfuse
+from epfuse.optimizer.verify import Scenario, compare_models
 
 # head_dim: 16 and 32 take GQA with fused RoPE on CPU; 8 and 24 are GQA-legal (multiple of 8)
 # but not for fused rotary (head_size % 16), so RoPE must stay outside.
@@ -87,3 +89,17 @@ def scenarios(draw: st.DrawFn) -> Scenario:
 def scenario_lists(max_size: int = 3) -> st.SearchStrategy[list[Scenario]]:
     """1..max_size scenarios with distinct names (a name seeds the scenario's inputs)."""
     return st.lists(scenarios(), min_size=1, max_size=max_size, unique_by=lambda s: s.name)
+
+
+def check_equivalent(cfg: DecoderConfig, ep: str, cases: list[Scenario]) -> None:
+    """The property: build ``cfg``, optimize for ``ep``, compare on ``cases``.
+
+    Fails with the comparison table; the notes (printed by hypothesis with the falsifying
+    example) hold the reproducible config and the optimization report.
+    """
+    original = build_decoder(cfg)
+    optimized, report = epfuse.optimize_with_report(original, ep)
+    note(f"reproduce: build_decoder({cfg!r}), optimize for {ep!r}")
+    note(report.summary())
+    result = compare_models(original, optimized, scenarios=cases)
+    assert result.passed, f"{cfg!r} on {ep}:\n{result}"

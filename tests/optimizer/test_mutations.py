@@ -12,13 +12,22 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
+import onnx_ir as ir
 import pytest
+from hypothesis import Phase, given, settings
+from hypothesis import strategies as st
 from model_builder import DecoderConfig, build_decoder
 from onnx import helper, numpy_helper
+from strategies import check_equivalent, decoder_configs, scenario_lists
 
 import epfuse
+import epfuse.optimizer.api as api
 from epfuse.optimizer.cli import EXIT_NOT_EQUIVALENT, main
+from epfuse.optimizer.manager import PassManager
 from epfuse.optimizer.verify import compare_models
+from epfuse.patterns import RULES, Rewritten
+from epfuse.patterns._graph import Builder
+from epfuse.patterns.lower.gqa import AttentionToGQA
 
 
 def _copy(model: onnx.ModelProto) -> onnx.ModelProto:
@@ -231,3 +240,65 @@ def _sorted(model: onnx.ModelProto) -> onnx.ModelProto:
     work = ir.serde.deserialize_model(model)
     common_passes.TopologicalSortPass()(work)
     return ir.to_proto(work)
+
+
+# ------------------------------------------------- the property suite finds defective rules
+
+
+class _DefectiveGQA(AttentionToGQA):
+    """The real GQA lowering followed by one injected defect on the node it made."""
+
+    def __init__(self, defect: str):
+        self.defect = defect
+
+    def apply(self, node, ctx):
+        outcome = super().apply(node, ctx)
+        if not isinstance(outcome, Rewritten):
+            return outcome
+        layer = node.metadata_props.get("epfuse.layer")
+        gqa = next(
+            n
+            for n in ctx.graph
+            if n.op_type == "GroupQueryAttention" and n.metadata_props.get("epfuse.layer") == layer
+        )
+        attrs = gqa.attributes
+        if self.defect == "window+1" and "local_window_size" in attrs:
+            window = attrs["local_window_size"].value + 1
+            attrs["local_window_size"] = ir.AttrInt64("local_window_size", window)
+        elif self.defect == "interleaved" and attrs["do_rotary"].value:
+            attrs["rotary_interleaved"] = ir.AttrInt64("rotary_interleaved", 0)
+        elif self.defect == "padding":  # seqlens_k = total - 1 for every row
+            b = Builder(ctx.graph, gqa, f"mutant{layer}")
+            one = b.const("one", np.array(1, np.int32))
+            last = b.op("Sub", [gqa.inputs[6], one])
+            batch = b.op("Shape", [ctx.graph.inputs[0]], {"start": 0, "end": 1})
+            gqa.replace_input_with(5, b.op("Expand", [last, batch]))
+        return outcome
+
+
+@pytest.mark.parametrize("defect", ["window+1", "interleaved", "padding"])
+def test_property_suite_finds_a_defective_rule(defect, monkeypatch):
+    """Run the property test's body over drawn configs with a defective GQA lowering
+    installed: hypothesis must find a failing example and print it as a reproducible
+    ``DecoderConfig(...)`` (generation only, no shrinking, to stay fast)."""
+    rules = tuple(_DefectiveGQA(defect) if isinstance(r, AttentionToGQA) else r for r in RULES)
+    monkeypatch.setattr(api, "PassManager", lambda: PassManager(rules))
+
+    @settings(
+        max_examples=60,
+        derandomize=True,
+        database=None,
+        phases=(Phase.generate,),
+        report_multiple_bugs=False,
+    )
+    @given(data=st.data())
+    def fuzz(data):
+        cfg = data.draw(decoder_configs(dtypes=("float32",)), label="cfg")
+        cases = data.draw(scenario_lists(), label="cases")
+        check_equivalent(cfg, "cpu", cases)
+
+    with pytest.raises(AssertionError) as info:
+        fuzz()
+    notes = "\n".join(getattr(info.value, "__notes__", []))
+    assert "DecoderConfig(" in notes and "Scenario(" in notes
+    assert "FAIL" in str(info.value)

@@ -12,13 +12,9 @@ A failing example prints as ``cfg=DecoderConfig(...)`` and ``cases=[Scenario(...
 from __future__ import annotations
 
 import pytest
-from hypothesis import given, note
+from hypothesis import given
 from hypothesis import strategies as st
-from model_builder import DecoderConfig, build_decoder
-from strategies import decoder_configs, scenario_lists
-
-import epfuse
-from epfuse.optimizer.verify import Scenario, compare_models
+from strategies import check_equivalent, decoder_configs, scenario_lists
 
 EPS = {
     "cpu": {"dtypes": ("float32", "float16")},
@@ -29,16 +25,6 @@ EPS = {
     # (head_size % 16, cos width % 8): draw only what the CPU kernel can check.
     "cuda": {"dtypes": ("float16",), "head_dims": (16, 32), "rotary_dims": (16,)},
 }
-
-
-def check_equivalent(cfg: DecoderConfig, ep: str, cases: list[Scenario]) -> None:
-    """Build, optimize for ``ep``, compare on ``cases``; fail with the table and the config."""
-    original = build_decoder(cfg)
-    optimized, report = epfuse.optimize_with_report(original, ep)
-    note(f"reproduce: build_decoder({cfg!r}), optimize for {ep!r}")
-    note(report.summary())
-    result = compare_models(original, optimized, scenarios=cases)
-    assert result.passed, f"{cfg!r} on {ep}:\n{result}"
 
 
 @pytest.mark.parametrize(
