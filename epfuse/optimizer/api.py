@@ -81,7 +81,11 @@ def optimize_with_report(
     else:
         source = load_model(model)
     dtype = model_dtype(source)
-    original = ir.to_proto(source) if verify else None
+    original = None
+    if verify:
+        # ORT runs the comparison from bytes: external weights must be in memory.
+        ir.external_data.load_to_model(source)
+        original = ir.to_proto(source)
 
     def run(skip: Iterable[int], reuse_source: bool = False) -> tuple[ir.Model, Report]:
         work = source if reuse_source else ir.serde.deserialize_model(original)

@@ -142,7 +142,11 @@ def _verify(args: argparse.Namespace) -> int:
 
     if args.prompt_len < 1:
         raise EpfuseError("--prompt-len must be positive")
-    models = [ir.to_proto(load_model(Path(p))) for p in (args.original, args.optimized)]
+    models = []
+    for path in (args.original, args.optimized):
+        model = load_model(Path(path))  # clear one-line errors for bad files
+        ir.external_data.load_to_model(model)  # ORT gets bytes: weights must be in memory
+        models.append(ir.to_proto(model))
     kwargs = {
         "prompt_len": args.prompt_len,
         "decode_past_len": max(1, args.prompt_len - 1),

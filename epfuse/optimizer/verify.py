@@ -232,6 +232,8 @@ def _to_proto(model: ModelLike) -> onnx.ModelProto:
     import onnx_ir as ir
 
     if isinstance(model, ir.Model):
+        # ORT gets the model as bytes, so external weights are read into memory (in place).
+        ir.external_data.load_to_model(model)
         return ir.serde.serialize_model(model)
     raise TypeError(f"expected a path, onnx.ModelProto or onnx_ir.Model, got {type(model)}")
 

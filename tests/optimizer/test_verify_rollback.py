@@ -147,3 +147,14 @@ def test_cli_verify_bad_input_is_one_line(tmp_path, capsys, example_model):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("epfuse: error: cannot compare these models")
     assert main(["verify", str(example_model), str(example_model), "--prompt-len", "0"]) == 1
+
+
+def test_verify_with_external_data(tmp_path, example_model):
+    from epfuse.optimizer.io import load_model, save_model
+
+    source = tmp_path / "ext.onnx"
+    save_model(load_model(example_model), source, external_data=True)
+    optimized, report = epfuse.optimize_with_report(source, "cpu", verify=True)
+    assert report.verification.startswith("passed")
+    save_model(optimized, tmp_path / "out.onnx")
+    assert main(["verify", str(source), str(tmp_path / "out.onnx")]) == 0
