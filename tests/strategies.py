@@ -71,9 +71,10 @@ def _lens(batch: int, low: int = 1) -> st.SearchStrategy[tuple[int, ...]]:
 
 
 @st.composite
-def scenarios(draw: st.DrawFn) -> Scenario:
-    """One in-contract scenario: prompt (right-padded), decode, chunked prefill (batch 1) or
-    decode after a padded prompt; batch 1-3; past and prompt lengths including 0 and 1."""
+def scenarios(draw: st.DrawFn, chunk_batch: int = 1) -> Scenario:
+    """One in-contract scenario: prompt (right-padded), decode, chunked prefill (batch up to
+    ``chunk_batch``: 1 where ORT CPU's GQA runs it) or decode after a padded prompt; batch
+    1-3; past and prompt lengths including 0 and 1."""
     kind = draw(st.sampled_from(("prompt", "decode", "chunk", "padded_decode")))
     batch = draw(st.integers(1, 3))
     if kind == "prompt":
@@ -81,14 +82,20 @@ def scenarios(draw: st.DrawFn) -> Scenario:
     if kind == "decode":
         return Scenario.continuation(batch, draw(st.integers(0, MAX_LEN)), 1)
     if kind == "chunk":
-        return Scenario.continuation(1, draw(st.integers(0, MAX_LEN)), draw(st.integers(2, 5)))
+        batch = draw(st.integers(1, chunk_batch))
+        return Scenario.continuation(batch, draw(st.integers(0, MAX_LEN)), draw(st.integers(2, 5)))
     lens = draw(_lens(max(batch, 2)))
     return Scenario.padded_decode(lens, steps=draw(st.integers(1, 2)))
 
 
-def scenario_lists(max_size: int = 3) -> st.SearchStrategy[list[Scenario]]:
+def scenario_lists(max_size: int = 3, chunk_batch: int = 1) -> st.SearchStrategy[list[Scenario]]:
     """1..max_size scenarios with distinct names (a name seeds the scenario's inputs)."""
-    return st.lists(scenarios(), min_size=1, max_size=max_size, unique_by=lambda s: s.name)
+    return st.lists(
+        scenarios(chunk_batch=chunk_batch),
+        min_size=1,
+        max_size=max_size,
+        unique_by=lambda s: s.name,
+    )
 
 
 def check_equivalent(cfg: DecoderConfig, ep: str, cases: list[Scenario]) -> None:

@@ -110,7 +110,7 @@ def _verified(original: onnx.ModelProto, work: ir.Model, report: Report, run, sk
     """Verify ``work``; roll back the layers whose rewrite breaks equivalence (see above)."""
     from .verify import compare_models
 
-    lengths = _verify_lengths(report)
+    lengths = _verify_lengths(report, work)
 
     def check(candidate: ir.Model):
         try:
@@ -161,9 +161,13 @@ def _verified(original: onnx.ModelProto, work: ir.Model, report: Report, run, sk
     return work, report
 
 
-def _verify_lengths(report: Report) -> dict[str, int]:
-    """Scenario lengths past every sliding window the optimized layers carry."""
+def _verify_lengths(report: Report, model: ir.Model) -> dict[str, int]:
+    """Scenario lengths past every sliding window the optimized layers carry (their GQA's
+    ``local_window_size``, or the window the report's layer notes name)."""
     window = 0
+    for node in model.graph:
+        if node.op_type == "GroupQueryAttention" and "local_window_size" in node.attributes:
+            window = max(window, node.attributes["local_window_size"].value)
     for layer in report.layers:
         for note in layer.notes:
             for match in re.finditer(r"sliding window (\d+)", note):

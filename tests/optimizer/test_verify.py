@@ -253,3 +253,18 @@ def test_padded_decode_skips_when_the_original_depends_on_padding_slots():
     # Within the window the slots do not matter and the scenario runs.
     result = compare_models(model, model, scenarios=[Scenario.padded_decode((2, 1), steps=1)])
     assert result.scenarios[0].skipped is None and result.passed
+
+
+def test_position_feed_extension_point_for_3d_positions(example):
+    """Text-only positions for an mRoPE model's (3, batch, seq) input: all sections equal."""
+    import dataclasses
+
+    from epfuse.optimizer.verify import position_feed
+
+    io = discover_io(example)
+    assert io.position_ids_rank == 2
+    positions = np.array([[0, 1, 2], [5, 6, 7]])
+    assert position_feed(io, positions).shape == (2, 3)
+    fed = position_feed(dataclasses.replace(io, position_ids_rank=3), positions)
+    assert fed.shape == (3, 2, 3) and fed.dtype == np.int64
+    assert all((fed[i] == positions).all() for i in range(3))

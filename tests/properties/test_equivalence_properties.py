@@ -34,5 +34,6 @@ EPS = {
 def test_optimized_model_is_equivalent(ep: str, dtype: str, data: st.DataObject):
     strategy = decoder_configs(**{**EPS[ep], "dtypes": (dtype,)})
     cfg = data.draw(strategy, label="cfg")
-    cases = data.draw(scenario_lists(), label="cases")
+    # Chunked prefill with batch > 1 is in contract only without GQA (ORT CPU's GQA needs 1).
+    cases = data.draw(scenario_lists(chunk_batch=3 if ep == "default" else 1), label="cases")
     check_equivalent(cfg, ep, cases)
