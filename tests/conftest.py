@@ -20,7 +20,7 @@ sys.path.insert(0, str(TESTS))  # `import model_builder` from any test folder
 settings.register_profile(
     "ci",
     derandomize=True,
-    max_examples=12,
+    max_examples=25,
     deadline=None,
     print_blob=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],

@@ -23,7 +23,7 @@ def test_report_loaded_profile():
 @pytest.mark.parametrize(
     ("flag", "env", "expected"),
     [
-        (None, None, "ci max_examples=12"),
+        (None, None, "ci max_examples=25"),
         ("thorough", "dev", "thorough max_examples=300"),
     ],
 )
