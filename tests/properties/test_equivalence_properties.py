@@ -3,10 +3,12 @@ an EP computes what the generic graph computes (logits and present K/V on valid 
 the shared tolerances of ``epfuse.optimizer.tolerances``).
 
 Every EP whose output runs on ORT CPU is fuzzed: ``cpu`` (GQA, fused RoPE), ``dml`` and
-``webgpu`` (GQA, RoPE outside), ``default`` (standard ONNX only) and, for fp16, ``cuda`` (GQA
-with fused RoPE; its graph is checked with ORT CPU's GQA kernel, not CUDA's). Profiles: see
-tests/conftest.py (``ci`` by default; ``--hypothesis-profile=thorough`` for a long run).
-A failing example prints as ``cfg=DecoderConfig(...)`` and ``cases=[Scenario(...), ...]``.
+``webgpu`` (GQA, RoPE outside), ``default`` (standard ONNX only), ``qnn`` and, for fp16,
+``cuda`` and ``trt-rtx`` (GQA with fused RoPE; their graphs are checked with ORT CPU's GQA
+kernel, not the target EP's, so only head sizes the CPU kernel takes are drawn for them).
+Profiles: see tests/conftest.py (``ci`` by default; ``--hypothesis-profile=thorough`` for a
+long run). A failing example prints as ``Draw 1 (cfg): DecoderConfig(...)`` and
+``Draw 2 (cases): [Scenario(...), ...]``, which rebuild it exactly.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ EPS = {
     # CUDA's fused rotary takes head sizes and cos widths that ORT CPU's GQA kernel rejects
     # (head_size % 16, cos width % 8): draw only what the CPU kernel can check.
     "cuda": {"dtypes": ("float16",), "head_dims": (16, 32), "rotary_dims": (16,)},
+    "qnn": {"dtypes": ("float32", "float16"), "head_dims": (16, 32), "rotary_dims": (16,)},
+    "trt-rtx": {"dtypes": ("float16",), "head_dims": (16, 32), "rotary_dims": (16,)},
 }
 
 
