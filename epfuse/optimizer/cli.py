@@ -156,6 +156,14 @@ def _verify(args: argparse.Namespace) -> int:
         result = compare_models(*models, **kwargs)
     except ValueError as err:  # I/O roles not recognised or not matching
         raise EpfuseError(f"cannot compare these models: {err}") from None
+    except Exception as err:
+        if not type(err).__module__.startswith("onnxruntime"):
+            raise
+        line = (str(err).strip().splitlines() or [""])[0][:300]
+        raise EpfuseError(f"{args.original}: does not load in ORT CPU: {line}") from None
+    for scenario in result.scenarios:
+        if scenario.error and scenario.error.startswith("original model failed"):
+            raise EpfuseError(f"{args.original}: cannot run on ORT CPU: {scenario.error}")
     print(f"original:  {args.original}\noptimized: {args.optimized}\n")
     print(result)
     print("\nper output (worst over all scenarios):")

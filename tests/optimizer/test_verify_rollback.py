@@ -158,3 +158,12 @@ def test_verify_with_external_data(tmp_path, example_model):
     assert report.verification.startswith("passed")
     save_model(optimized, tmp_path / "out.onnx")
     assert main(["verify", str(source), str(tmp_path / "out.onnx")]) == 0
+
+
+def test_cli_verify_original_that_does_not_run_on_cpu(tmp_path, capsys):
+    """bf16 attention has no ORT CPU kernel: one line, exit 1 (not a FAIL verdict)."""
+    model = build_decoder(DecoderConfig(layers=1, dtype="bfloat16", style="mobius"))
+    onnx.save(model, tmp_path / "bf16.onnx")
+    assert main(["verify", str(tmp_path / "bf16.onnx"), str(tmp_path / "bf16.onnx")]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "ORT CPU" in err[0], err
