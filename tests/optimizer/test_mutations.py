@@ -151,8 +151,9 @@ def test_fused_rotary_on_non_contiguous_positions_is_caught():
         if node.op_type == "RotaryEmbedding":
             node.input[3] = "pos2"
     # epfuse keeps such RoPE outside GQA (do_rotary=0), which is equivalent ...
-    correct = epfuse.optimize(original, "cpu")
+    correct, report = epfuse.optimize_with_report(original, "cpu")
     assert {_attr(n, "do_rotary") for n in _gqa(correct)} == {0}
+    assert all("RoPE positions are computed" in " ".join(x.notes) for x in report.layers)
     assert compare_models(original, correct).passed
     # ... while fusing it is the defect.
     mutant = epfuse.optimize(build_decoder(cfg), "cpu")
