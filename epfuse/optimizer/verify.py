@@ -20,6 +20,11 @@ Model I/O is discovered from each graph by role, so the optimized model may rena
 inputs whose names contain "past", in graph order) paired with present outputs (rank-4 outputs
 whose names contain "present", in graph order), and ``logits`` (the remaining output).
 
+A position input of shape (3, batch, seq) (mRoPE: temporal, height, width streams) is fed
+``position_streams(position_ids)`` for the scenario's 2-D token positions, by default the
+same position in all three streams (text only). A caller passes its own map, e.g. image-like
+positions, as a pure function of the token index so that prompt and continuation agree.
+
 Only onnxruntime and numpy are needed (no torch).
 """
 
@@ -28,7 +33,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -42,6 +47,14 @@ from epfuse.optimizer.tolerances import Tolerance, tolerance_for
 SCENARIOS: tuple[str, ...] = ("prompt", "decode", "chunk", "padded")
 
 ModelLike = str | os.PathLike | onnx.ModelProto | Any  # Any: an onnx_ir.Model
+PositionStreams = Callable[[np.ndarray], np.ndarray]
+"""(batch, seq) token positions -> (3, batch, seq) mRoPE position streams."""
+
+
+def text_positions(position_ids: np.ndarray) -> np.ndarray:
+    """Text-only mRoPE positions: the same position in the T, H and W streams."""
+    return np.broadcast_to(position_ids, (3, *position_ids.shape)).copy()
+
 
 _FLOAT_TYPES = {
     onnx.TensorProto.FLOAT: "float32",
@@ -86,6 +99,8 @@ class ModelIO:
     logits: str
     dtype: str  # compute dtype: of the KV inputs, else of the logits
     vocab_size: int | None
+    position_streams: bool = False
+    """The position input is (3, batch, seq): mRoPE temporal/height/width streams."""
 
     @property
     def has_cache(self) -> bool:
@@ -195,7 +210,13 @@ def discover_io(model: onnx.ModelProto) -> ModelIO:
         logits=logits.name,
         dtype=dtype,
         vocab_size=vocab,
+        position_streams=pos is not None and _is_streams(pos),
     )
+
+
+def _is_streams(vi: onnx.ValueInfoProto) -> bool:
+    dims = _dims(vi)
+    return dims is not None and len(dims) == 3 and dims[0] == 3
 
 
 def _kv_dims(
@@ -271,9 +292,11 @@ class _Runner:
         model: ModelLike,
         providers: Sequence[str],
         session_options: ort.SessionOptions | None,
+        position_streams: PositionStreams | None = None,
     ):
         proto = _to_proto(model)
         self.io = discover_io(proto)
+        self.position_streams = position_streams or text_positions
         proto = _float32_boundary(proto)
         if session_options is None:
             session_options = ort.SessionOptions()
@@ -294,6 +317,8 @@ class _Runner:
         if io.attention_mask is not None:
             feed[io.attention_mask] = attention_mask.astype(io.attention_mask_dtype)
         if io.position_ids is not None:
+            if io.position_streams:
+                position_ids = self.position_streams(position_ids)
             feed[io.position_ids] = position_ids.astype(io.position_ids_dtype)
         batch = input_ids.shape[0]
         for i, spec in enumerate(io.kv):
@@ -593,13 +618,16 @@ def compare_models(
     tolerance: Tolerance | None = None,
     providers: Sequence[str] = ("CPUExecutionProvider",),
     session_options: ort.SessionOptions | None = None,
+    position_streams: PositionStreams | None = None,
 ) -> VerificationResult:
     """Run ``original`` and ``optimized`` over ``scenarios`` and compare logits and presents.
 
     Models are paths, ``onnx.ModelProto`` or ``onnx_ir.Model``. Sequence lengths can be raised
     (e.g. ``prompt_len`` / ``decode_past_len`` beyond a sliding window). ``padded_lens``
     defaults to ``(prompt_len, (prompt_len + 1) // 2)``. ``tolerance`` overrides the dtype's
-    entry in :data:`epfuse.optimizer.tolerances.TOLERANCES`.
+    entry in :data:`epfuse.optimizer.tolerances.TOLERANCES`. ``position_streams`` maps the
+    scenario's (batch, seq) positions to (3, batch, seq) mRoPE streams for a model whose
+    position input has that shape (default :func:`text_positions`).
     """
     scenarios = tuple(scenarios)
     unknown = [s for s in scenarios if s not in SCENARIOS]
@@ -610,9 +638,9 @@ def compare_models(
     if min(padded_lens) < 1:
         raise ValueError(f"padded_lens must be >= 1, got {padded_lens}")
 
-    ref = _Runner(original, providers, session_options)
+    ref = _Runner(original, providers, session_options, position_streams)
     try:
-        opt = _Runner(optimized, providers, session_options)
+        opt = _Runner(optimized, providers, session_options, position_streams)
     except Exception as exc:
         # A model that does not load (e.g. an unknown attribute) is a failed verification.
         message = f"optimized model failed to load: {type(exc).__name__}: {_first_line(exc)}"
@@ -686,6 +714,7 @@ __all__ = [
     "assert_equivalent",
     "compare_models",
     "discover_io",
+    "text_positions",
 ]
 
 
