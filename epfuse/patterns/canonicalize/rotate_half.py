@@ -117,6 +117,7 @@ class RotateHalfToRotaryEmbedding(Rule):
         rope.outputs[0].shape, rope.outputs[0].type = out.shape, out.type
         rope.outputs[0].name = f"{rope.name}/output"
         out.replace_all_uses_with(rope.outputs[0])
+        ctx.graph.remove(node, safe=True)  # the rest of the arithmetic goes in the cleanup
         return Rewritten("rotate-half arithmetic -> RotaryEmbedding")
 
     @staticmethod

@@ -41,6 +41,7 @@ from .._graph import (
 )
 from .._layout import bsd_consumer, from_bsd, last_dim, to_bsd
 from ..base import Kept, RewriteContext, Rewritten, Rule, Stage
+from ..canonicalize.rotate_half import RotateHalfToRotaryEmbedding
 from ..mask_analysis import ProvenMask, analyze_mask
 from .mrope import is_streams, mrope_positions
 
@@ -232,7 +233,7 @@ class AttentionToGQA(Rule):
         if any(n is not None for n in mrotary):
             return _RopePlan(False, None, None, _MROPE_REASON.format(how="MRotaryEmbedding"))
         if q_node is None and k_node is None:
-            return _RopePlan(False, None, None, None)
+            return _RopePlan(False, None, None, _arithmetic_rope_reason(q))
         if q_node is None or k_node is None:
             return _RopePlan(False, None, None, "only one of Q and K is rotated")
         rq, rk = _Rope(q_node), _Rope(k_node)
@@ -283,6 +284,19 @@ class AttentionToGQA(Rule):
         if pos.dtype != ir.DataType.INT64:
             return _RopePlan(False, rq, rk, "position_ids are not int64")
         return _RopePlan(True, rq, rk, None)
+
+
+def _arithmetic_rope_reason(q: ir.Value) -> str | None:
+    """Why RoPE written out as arithmetic (not lifted to RotaryEmbedding) stays outside."""
+    node = q.producer()
+    if node is None or node.op_type != "Add":
+        return None
+    match = RotateHalfToRotaryEmbedding._match(node)
+    if match is None:
+        return None
+    if mrope_positions(match[1]) is not None:
+        return _MROPE_REASON.format(how="rotated by the exported arithmetic")
+    return "RoPE is exported arithmetic that was not lifted to RotaryEmbedding"
 
 
 class _RopePlan:
