@@ -43,7 +43,7 @@ from .._layout import bsd_consumer, from_bsd, last_dim, to_bsd
 from ..base import Kept, RewriteContext, Rewritten, Rule, Stage
 from ..canonicalize.rotate_half import RotateHalfToRotaryEmbedding
 from ..mask_analysis import ProvenMask, analyze_mask
-from .mrope import is_streams, mrope_positions
+from .mrope import is_streams, mrope_positions, unproven_reason
 
 _MROPE_REASON = "3-D mRoPE positions ({how}): fused rotary takes one position per token"
 
@@ -240,7 +240,11 @@ class AttentionToGQA(Rule):
         if not rq.same_as(rk):
             return _RopePlan(False, rq, rk, "Q and K are rotated differently")
         if rq.positions is None and rq.cos is not None and mrope_positions(rq.cos) is not None:
-            return _RopePlan(False, rq, rk, _MROPE_REASON.format(how="cos/sin mixed per stream"))
+            how = "cos/sin mixed per stream"
+            unproven = unproven_reason(ctx, rq.node)
+            if unproven:
+                how += f"; not lowered to MRotaryEmbedding: {unproven}"
+            return _RopePlan(False, rq, rk, _MROPE_REASON.format(how=how))
         cos, sin = rq.caches()
         if cos is None or sin is None or rq.positions is None:
             return _RopePlan(False, rq, rk, "cos/sin are not constant caches with position_ids")

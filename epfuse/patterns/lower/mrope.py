@@ -254,7 +254,7 @@ class MRopeLowering(Rule):
         x, cos, sin = node.inputs[0], input_at(node, 1), input_at(node, 2)
         if cos is None or sin is None or x.dtype is None:
             return None
-        key = ("mrope", id(cos), id(sin), x.dtype, ctx.options.max_seq_len)
+        key = _analysis_key(ctx, cos, sin, x.dtype)
         if key not in ctx.cache:
             ctx.cache[key] = analyze_mrope(cos, sin, ctx.graph, ctx.options.max_seq_len, x.dtype)
         mrope = ctx.cache[key]
@@ -305,6 +305,19 @@ class MRopeLowering(Rule):
         replace_value(out, fused.outputs[0])
         ctx.graph.remove(node, safe=True)
         return Rewritten(f"{mrope.describe()} -> MRotaryEmbedding")
+
+
+def _analysis_key(ctx: RewriteContext, cos: ir.Value, sin: ir.Value, dtype: ir.DataType):
+    return ("mrope", id(cos), id(sin), dtype, ctx.options.max_seq_len)
+
+
+def unproven_reason(ctx: RewriteContext, rope: ir.Node) -> str | None:
+    """Why this run left ``rope``'s mRoPE as built, if the analysis said so (for reports)."""
+    cos, sin = input_at(rope, 1), input_at(rope, 2)
+    if cos is None or sin is None:
+        return None
+    found = ctx.cache.get(_analysis_key(ctx, cos, sin, rope.inputs[0].dtype))
+    return found if isinstance(found, str) else None
 
 
 def _cache_values(ctx: RewriteContext, node: ir.Node, mrope: MRope):
