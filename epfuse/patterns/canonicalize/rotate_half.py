@@ -7,7 +7,7 @@ the export keeps the arithmetic::
     y = x * Unsqueeze(Concat(c, c), 1) + Concat(-x[..., H/2:], x[..., :H/2]) * Unsqueeze(Concat(s, s), 1)
 
 with x (B, N, S, H). That is exactly the non-interleaved ``RotaryEmbedding(x, c, s)`` with
-(B, S, H/2) cos/sin (same products and sums, in the same order), so it is rewritten to it;
+(B, S, H/2) cos/sin (the same products and sums, up to float rounding), so it is rewritten;
 the cos/sin computation is left as it is, for ``lower/mrope`` (or ``rope_caches``) to read.
 
 Every piece is checked: both slices split the last axis of the same x at H/2 with step 1,
