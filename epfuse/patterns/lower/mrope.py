@@ -132,13 +132,24 @@ def _analyze(evaluator, pos, cos, sin, max_seq_len, dtype) -> MRope | str:
             raise _EvaluationFailed(type(err).__name__) from err
         return [np.asarray(g, dtype=np.float64) for g in got]
 
+    zero_cos, zero_sin = run(np.zeros((3, 1, 1), dtype=np.int64))
+    if zero_cos.ndim != 3 or zero_cos.shape != zero_sin.shape or zero_cos.shape[:2] != (1, 1):
+        return "mRoPE cos/sin are not (batch, seq, R/2)"
+    half = zero_cos.shape[2]
+    tables = _tables(cos, half), _tables(sin, half)
+    have_tables = tables[0] is not None and tables[1] is not None
+    if have_tables and tables[0].shape != tables[1].shape:
+        return "mRoPE cos and sin tables differ in shape"
+    limit = tables[0].shape[0] if have_tables else max_seq_len
+    if limit < 16:
+        return f"only {limit} cached positions"
+
     # 1. the column map, by moving one stream at a time
-    base = np.arange(1, 33, dtype=np.int64) * 3
+    base = np.unique(np.linspace(1, limit - 8, num=32).astype(np.int64))
     base_pos = np.broadcast_to(base, (3, 1, len(base))).copy()
     ref_cos, ref_sin = run(base_pos)
-    if ref_cos.ndim != 3 or ref_cos.shape != ref_sin.shape or ref_cos.shape[:2] != (1, len(base)):
+    if ref_cos.shape != (1, len(base), half) or ref_sin.shape != ref_cos.shape:
         return "mRoPE cos/sin are not (batch, seq, R/2)"
-    half = ref_cos.shape[2]
     moved = np.zeros((3, half), dtype=bool)
     for k in range(3):
         probe = base_pos.copy()
@@ -154,16 +165,14 @@ def _analyze(evaluator, pos, cos, sin, max_seq_len, dtype) -> MRope | str:
     layout, sections = found
 
     # 2. the caches
-    tables = _tables(cos, half), _tables(sin, half)
     inv_freq = _inv_freq(cos, half), _inv_freq(sin, half)
     np_dtype = dtype.numpy()
-    if tables[0] is not None and tables[1] is not None and tables[0].shape == tables[1].shape:
+    if have_tables:
         cos_cache, sin_cache = (t.astype(np_dtype) for t in tables)
         from_tables = True
     elif inv_freq[0] is not None and inv_freq[1] is not None:
         if not np.array_equal(inv_freq[0], inv_freq[1]):
             return "mRoPE cos and sin use different inv_freq"
-        zero_cos, zero_sin = run(np.zeros((3, 1, 1), dtype=np.int64))
         scale = float(zero_cos.reshape(-1)[0])
         if not (np.all(zero_cos == scale) and np.all(zero_sin == 0.0)) or scale <= 0:
             return "mRoPE cos/sin are not scaled cos/sin of angles zero at position 0"

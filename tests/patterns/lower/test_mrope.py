@@ -7,12 +7,14 @@ import dataclasses
 
 import numpy as np
 import onnx
+import onnx_ir as ir
 import pytest
 from model_builder import DecoderConfig, build_decoder, image_positions, mrope_streams
 
 import epfuse
 from epfuse.capabilities import DTYPES, all_eps, get_ep
 from epfuse.optimizer.verify import assert_equivalent, compare_models
+from epfuse.patterns._signature import probe_array
 from epfuse.patterns.lower.mrope import INTERLEAVED, SECTIONED, interleaved_streams, layout_of
 
 # Long enough that text follows the image in every scenario (image tokens are 2..7).
@@ -174,3 +176,19 @@ def test_layout_of():
     assert layout_of(inter) == (INTERLEAVED, (3, 3, 2))
     assert np.array_equal(interleaved_streams(8, (3, 3, 2)), inter)
     assert layout_of(np.array([1, 0, 2, 0, 1, 2, 0, 0])) is None
+
+
+def test_mask_probes_size_position_streams():
+    """A (3, B, S) position input read through Shape by the mask subgraph can be probed."""
+    pos = ir.Value(
+        name="position_ids",
+        shape=ir.Shape([3, "batch", "seq"]),
+        type=ir.TensorType(ir.DataType.INT64),
+    )
+    mask = ir.Value(
+        name="attention_mask",
+        shape=ir.Shape(["batch", "total"]),
+        type=ir.TensorType(ir.DataType.INT64),
+    )
+    array = probe_array(pos, mask, batch=2, seq=5, past=3)
+    assert array is not None and array.shape == (3, 2, 5) and array.dtype == np.int64
