@@ -54,7 +54,13 @@ class MRope:
 
 
 def mrope_positions(value: ir.Value) -> ir.Value | None:
-    """The (3, batch, seq) int graph input ``value`` is computed from, if it reads only that."""
+    """The (3, batch, seq) int graph input ``value`` is computed from, if it reads only that.
+
+    Only a bounded upstream is searched (cos/sin subgraphs are small), so asking this of every
+    RotaryEmbedding keeps the pass linear.
+    """
+    if not _small_upstream(value):
+        return None
     try:
         by_value, _ = value_dependencies(value)
     except _Unprovable:
@@ -200,6 +206,20 @@ def _analyze(evaluator, pos, cos, sin, max_seq_len, dtype) -> MRope | str:
             if got.shape != expected.shape or not np.allclose(got, expected, atol=tol, rtol=0):
                 return "the graph's mRoPE cos/sin do not match the mixed caches"
     return MRope(pos, streams, sections, layout, cos_cache, sin_cache, from_tables)
+
+
+def _small_upstream(value: ir.Value) -> bool:
+    seen: set[int] = set()
+    stack = [value]
+    while stack:
+        node = stack.pop().producer()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        if len(seen) > _MAX_WALK:
+            return False
+        stack.extend(v for v in node.inputs if v is not None and v.const_value is None)
+    return True
 
 
 def _upstream(value: ir.Value):
