@@ -192,3 +192,14 @@ def test_mask_probes_size_position_streams():
     )
     array = probe_array(pos, mask, batch=2, seq=5, past=3)
     assert array is not None and array.shape == (3, 2, 5) and array.dtype == np.int64
+
+
+@pytest.mark.parametrize("sections", [(8, 0, 0), (0, 8, 0), (0, 0, 8)])
+def test_single_stream_sections(sections):
+    """Empty sections are valid for MRotaryEmbedding (one stream drives every column)."""
+    original = build_decoder(_cfg("sectioned", mrope_section=sections))
+    optimized = epfuse.optimize(original, "cpu")
+    for node in _nodes(optimized, "MRotaryEmbedding"):
+        assert _attrs(node)["mrope_section"] == list(sections)
+    assert len(_nodes(optimized, "MRotaryEmbedding")) == 4
+    assert_equivalent(original, optimized, position_streams=image_positions, **LENGTHS)
