@@ -14,6 +14,13 @@ of two forms that epfuse must rewrite:
   K/V, groups KV heads itself (``q_num_heads``/``kv_num_heads``) and produces the present K/V
   graph outputs directly, with ``is_causal=1`` and a padding (or padding + window) bool mask.
 
+``positions="mrope"`` (mobius style only) makes a Qwen2-VL-style decoder: ``position_ids`` is
+(3, batch, seq) (temporal, height, width streams); each stream gathers its rows of the constant
+cos/sin caches and ``Where`` masks over the R/2 frequency columns pick, per column, the stream
+that ``mrope_section`` assigns it (``mrope_layout`` "sectioned" as Qwen2/2.5-VL, or
+"interleaved" as Qwen3-VL); the mixed (B, S, R/2) cos/sin feed a standard 3-input
+``RotaryEmbedding``. With the same position in all three streams it is the 1-D decoder.
+
 For one config and seed both styles hold the same weights (``decoder_weights``) and compute the
 same function. Weights are at a realistic scale (unit-variance embeddings, 1/sqrt(fan_in)
 projections, q/k twice that) so attention is peaked: a wrong mask, RoPE pairing or position
@@ -72,6 +79,9 @@ class DecoderConfig:
     max_positions: int = 256  # rows of the constant cos/sin caches (mobius style)
     style: str = "torch23"  # "torch23" | "mobius"
     seed: int = 0
+    positions: str = "1d"  # "1d" | "mrope" ((3, batch, seq) position_ids; mobius style only)
+    mrope_section: tuple[int, int, int] | None = None  # (t, h, w), sum R/2; None = a default
+    mrope_layout: str = "sectioned"  # "sectioned" (Qwen2/2.5-VL) | "interleaved" (Qwen3-VL)
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -88,6 +98,25 @@ class DecoderConfig:
             raise ValueError("rotary_dim must be even and in (0, head_dim), or None")
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError("sliding_window must be >= 1 or None")
+        if self.positions not in ("1d", "mrope"):
+            raise ValueError(f"positions must be '1d' or 'mrope', got {self.positions!r}")
+        if self.positions == "mrope":
+            if self.style != "mobius":
+                raise ValueError("positions='mrope' is built in the mobius style only")
+            if self.mrope_layout not in ("sectioned", "interleaved"):
+                raise ValueError("mrope_layout must be 'sectioned' or 'interleaved'")
+            if sum(self.sections) != self.rotary // 2 or min(self.sections) < 0:
+                raise ValueError(f"mrope_section must be >= 0 and sum to {self.rotary // 2}")
+
+    @property
+    def sections(self) -> tuple[int, int, int]:
+        """mrope_section, by default Qwen's proportions (1/4, 3/8, 3/8 sectioned; interleaved
+        1/2, 1/4, 1/4 so that the H and W strides fit in R/2)."""
+        if self.mrope_section is not None:
+            return tuple(self.mrope_section)
+        half = self.rotary // 2
+        h = half * 3 // 8 if self.mrope_layout == "sectioned" else half // 4
+        return (half - 2 * h, h, h)
 
     @property
     def hidden(self) -> int:
@@ -159,6 +188,33 @@ def rope_caches(cfg: DecoderConfig) -> tuple[np.ndarray, np.ndarray]:
     return np.cos(angles).astype(cfg.np_dtype), np.sin(angles).astype(cfg.np_dtype)
 
 
+def mrope_streams(cfg: DecoderConfig) -> np.ndarray:
+    """(R/2,) index of the position stream (0 = T, 1 = H, 2 = W) of each frequency column."""
+    t, h, w = cfg.sections
+    half = t + h + w
+    if cfg.mrope_layout == "sectioned":
+        return np.repeat(np.arange(3), [t, h, w])
+    streams = np.zeros(half, dtype=np.int64)  # Qwen3-VL: T everywhere, then H and W strided
+    streams[1 : 3 * h : 3] = 1
+    streams[2 : 3 * w : 3] = 2
+    return streams
+
+
+def image_positions(token_positions: np.ndarray, start: int = 2, grid=(1, 2, 3)) -> np.ndarray:
+    """(3, B, S) Qwen2-VL-style positions for (B, S) token indices: text tokens before
+    ``start``, then an image of ``grid`` (t, h, w) patches at distinct T/H/W positions, then
+    text continuing from the image's largest position + 1. A pure function of the token index,
+    so a prompt and its continuation agree."""
+    t = np.asarray(token_positions, dtype=np.int64)
+    gt, gh, gw = grid
+    n = gt * gh * gw
+    i = np.clip(t - start, 0, n - 1)
+    image = np.stack([start + i // (gh * gw), start + (i // gw) % gh, start + i % gw])
+    after = t - n + max(gt, gh, gw)  # the first text token after the image: start + max(grid)
+    streams = np.where(t < start, t, np.where(t < start + n, image, after))
+    return np.broadcast_to(streams, (3, *t.shape)).copy()
+
+
 # --------------------------------------------------------------------------------------------
 # Feeds and outputs
 
@@ -197,6 +253,8 @@ def decoder_feeds(
         attention_mask = np.ones((b, p + s), dtype=np.int64)
     if position_ids is None:
         position_ids = np.broadcast_to(np.arange(p, p + s, dtype=np.int64), (b, s)).copy()
+    if cfg.positions == "mrope" and np.ndim(position_ids) == 2:
+        position_ids = np.broadcast_to(position_ids, (3, b, s)).copy()  # text only
     values = [input_ids, np.asarray(attention_mask, np.int64), np.asarray(position_ids, np.int64)]
     return dict(zip(input_names(cfg), [*values, *past], strict=True))
 
@@ -412,6 +470,23 @@ def _build_mobius(b: _GraphBuilder, cfg: DecoderConfig) -> None:
         window = b.op("Greater", [kv_idx, lo], "in_window")  # (S, T)
         mask = b.op("And", [mask, window], "attn_mask_window")  # (B, 1, S, T)
 
+    mrope_cos_sin: list[str] = []
+    if cfg.positions == "mrope":
+        # Per-stream rows of the caches, mixed per frequency column by Where masks.
+        streams = mrope_streams(cfg)
+        pos = [
+            b.op("Gather", ["position_ids", b.ints(k, scalar=True)], f"pos_{'thw'[k]}", axis=0)
+            for k in range(3)
+        ]
+        is_t = b.initializer("mrope_is_t", streams == 0)
+        is_h = b.initializer("mrope_is_h", streams == 1)
+        for table in ("cos_cache", "sin_cache"):
+            rows = [
+                b.op("Gather", [table, p], f"{table}_{'thw'[k]}", axis=0) for k, p in enumerate(pos)
+            ]
+            hw = b.op("Where", [is_h, rows[1], rows[2]], f"{table}_hw")
+            mrope_cos_sin.append(b.op("Where", [is_t, rows[0], hw], f"{table}_mrope"))
+
     def attention(h: str, prefix: str, i: int) -> str:
         q = b.op("MatMul", [h, f"{prefix}.self_attn.q_proj.weight"], "q")
         k = b.op("MatMul", [h, f"{prefix}.self_attn.k_proj.weight"], "k")
@@ -421,6 +496,8 @@ def _build_mobius(b: _GraphBuilder, cfg: DecoderConfig) -> None:
             "rotary_embedding_dim": cfg.rotary_dim or 0,
         }
         rope_inputs = ["cos_cache", "sin_cache", "position_ids"]
+        if cfg.positions == "mrope":
+            rope_inputs = mrope_cos_sin
         q = b.op("RotaryEmbedding", [q, *rope_inputs], "q_rot", num_heads=cfg.heads, **rope)
         k = b.op("RotaryEmbedding", [k, *rope_inputs], "k_rot", num_heads=cfg.kv_heads, **rope)
         past_kv = [f"past_key_values.{i}.key", f"past_key_values.{i}.value"]
@@ -454,7 +531,11 @@ def build_decoder(cfg: DecoderConfig) -> onnx.ModelProto:
     inputs = [
         helper.make_tensor_value_info("input_ids", int64, ["batch", "seq"]),
         helper.make_tensor_value_info("attention_mask", int64, ["batch", "total"]),
-        helper.make_tensor_value_info("position_ids", int64, ["batch", "seq"]),
+        helper.make_tensor_value_info(
+            "position_ids",
+            int64,
+            [3, "batch", "seq"] if cfg.positions == "mrope" else ["batch", "seq"],
+        ),
     ]
     outputs = [helper.make_tensor_value_info("logits", dt, ["batch", "seq", cfg.vocab])]
     for i in range(cfg.layers):

@@ -14,7 +14,7 @@ model (README "Input contract"):
 - lengths past a sliding window.
 
 3-D positions (mRoPE, issue 4) are not drawn here: the builder has no mRoPE form yet. The
-extension point is :func:`epfuse.optimizer.verify.position_feed` (how 2-D scenario positions
+extension point is :func:`epfuse.optimizer.verify.position_feed` (with ``position_streams``) (how 2-D scenario positions
 become the model's position feed) plus a ``mrope_section`` field in ``decoder_configs``.
 """
 

@@ -25,6 +25,11 @@ Model I/O is discovered from each graph by role, so the optimized model may rena
 inputs whose names contain "past", in graph order) paired with present outputs (rank-4 outputs
 whose names contain "present", in graph order), and ``logits`` (the remaining output).
 
+A position input of shape (3, batch, seq) (mRoPE: temporal, height, width streams) is fed
+``position_streams(position_ids)`` for the scenario's 2-D token positions, by default the
+same position in all three streams (text only). A caller passes its own map, e.g. image-like
+positions, as a pure function of the token index so that prompt and continuation agree.
+
 Only onnxruntime and numpy are needed (no torch).
 """
 
@@ -34,7 +39,7 @@ import dataclasses
 import math
 import os
 import zlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -49,6 +54,14 @@ SCENARIOS: tuple[str, ...] = ("prompt", "decode", "chunk", "padded", "padded_dec
 SCENARIO_KINDS: tuple[str, ...] = ("prompt", "continue", "padded_decode")
 
 ModelLike = str | os.PathLike | onnx.ModelProto | Any  # Any: an onnx_ir.Model
+PositionStreams = Callable[[np.ndarray], np.ndarray]
+"""(batch, seq) token positions -> (3, batch, seq) mRoPE position streams."""
+
+
+def text_positions(position_ids: np.ndarray) -> np.ndarray:
+    """Text-only mRoPE positions: the same position in the T, H and W streams."""
+    return np.broadcast_to(position_ids, (3, *position_ids.shape)).copy()
+
 
 _FLOAT_TYPES = {
     onnx.TensorProto.FLOAT: "float32",
@@ -89,11 +102,12 @@ class ModelIO:
     attention_mask_dtype: Any
     position_ids: str | None
     position_ids_dtype: Any
-    position_ids_rank: int | None
     kv: tuple[KVSpec, ...]
     logits: str
     dtype: str  # compute dtype: of the KV inputs, else of the logits
     vocab_size: int | None
+    position_streams: bool = False
+    """The position input is (3, batch, seq): mRoPE temporal/height/width streams."""
 
     @property
     def has_cache(self) -> bool:
@@ -199,12 +213,17 @@ def discover_io(model: onnx.ModelProto) -> ModelIO:
         attention_mask_dtype=np_type(mask),
         position_ids=pos.name if pos is not None else None,
         position_ids_dtype=np_type(pos),
-        position_ids_rank=_rank(pos) if pos is not None else None,
         kv=tuple(kv),
         logits=logits.name,
         dtype=dtype,
         vocab_size=vocab,
+        position_streams=pos is not None and _is_streams(pos),
     )
+
+
+def _is_streams(vi: onnx.ValueInfoProto) -> bool:
+    dims = _dims(vi)
+    return dims is not None and len(dims) == 3 and dims[0] == 3
 
 
 def _kv_dims(
@@ -282,9 +301,11 @@ class _Runner:
         model: ModelLike,
         providers: Sequence[str],
         session_options: ort.SessionOptions | None,
+        position_streams: PositionStreams | None = None,
     ):
         proto = _to_proto(model)
         self.io = discover_io(proto)
+        self.position_streams = position_streams or text_positions
         proto = _float32_boundary(proto)
         if session_options is None:
             session_options = ort.SessionOptions()
@@ -305,7 +326,7 @@ class _Runner:
         if io.attention_mask is not None:
             feed[io.attention_mask] = attention_mask.astype(io.attention_mask_dtype)
         if io.position_ids is not None:
-            feed[io.position_ids] = position_feed(io, position_ids)
+            feed[io.position_ids] = position_feed(io, position_ids, self.position_streams)
         batch = input_ids.shape[0]
         for i, spec in enumerate(io.kv):
             if past is None:
@@ -318,15 +339,16 @@ class _Runner:
         return outs[0], list(outs[1:])
 
 
-def position_feed(io: ModelIO, positions: np.ndarray) -> np.ndarray:
-    """The ``position_ids`` feed for 2-D (batch, seq) text positions.
+def position_feed(
+    io: ModelIO, positions: np.ndarray, streams: PositionStreams | None = None
+) -> np.ndarray:
+    """The ``position_ids`` feed for a scenario's 2-D (batch, seq) token positions.
 
-    Extension point for 3-D positions (mRoPE, issue 4): a model whose position input is
-    (3, batch, seq) gets the text-only form, the same positions in all three sections; a
-    scenario that needs distinct sections should build them here from ``io``.
+    A model whose position input is (3, batch, seq) (mRoPE) gets ``streams(positions)``,
+    by default :func:`text_positions` (the same positions in the T, H and W streams).
     """
-    if io.position_ids_rank == 3:
-        positions = np.broadcast_to(positions, (3, *positions.shape))
+    if io.position_streams:
+        positions = (streams or text_positions)(positions)
     return np.ascontiguousarray(positions).astype(io.position_ids_dtype)
 
 
@@ -703,6 +725,7 @@ def compare_models(
     tolerance: Tolerance | None = None,
     providers: Sequence[str] = ("CPUExecutionProvider",),
     session_options: ort.SessionOptions | None = None,
+    position_streams: PositionStreams | None = None,
 ) -> VerificationResult:
     """Run ``original`` and ``optimized`` over ``scenarios`` and compare logits and presents.
 
@@ -712,6 +735,8 @@ def compare_models(
     ``prompt_len`` / ``decode_past_len`` beyond a sliding window). ``padded_lens`` defaults to
     ``(prompt_len, (prompt_len + 1) // 2)``, ``padded_decode_lens`` to ``padded_lens``.
     ``tolerance`` overrides the dtype's entry in :data:`epfuse.optimizer.tolerances.TOLERANCES`.
+    ``position_streams`` maps the scenario's (batch, seq) positions to (3, batch, seq) mRoPE
+    streams for a model whose position input has that shape (default :func:`text_positions`).
     """
     named = builtin_scenarios(
         prompt_len,
@@ -734,9 +759,9 @@ def compare_models(
     if unknown:
         raise ValueError(f"unknown scenarios {unknown}; known: {SCENARIOS}")
 
-    ref = _Runner(original, providers, session_options)
+    ref = _Runner(original, providers, session_options, position_streams)
     try:
-        opt = _Runner(optimized, providers, session_options)
+        opt = _Runner(optimized, providers, session_options, position_streams)
     except Exception as exc:
         # A model that does not load (e.g. an unknown attribute) is a failed verification.
         message = f"optimized model failed to load: {type(exc).__name__}: {_first_line(exc)}"
@@ -912,6 +937,7 @@ __all__ = [
     "builtin_scenarios",
     "compare_models",
     "discover_io",
+    "text_positions",
 ]
 
 

@@ -5,12 +5,16 @@ from .base import Kept, OptimizeOptions, RewriteContext, Rewritten, Rule, Stage
 from .canonicalize.kv_cache import KVConcatToAttentionPast
 from .canonicalize.repeat_kv import RemoveRepeatKV
 from .canonicalize.rope_caches import RopeCosSinToCaches
+from .canonicalize.rotate_half import RotateHalfToRotaryEmbedding
 from .lower.gqa import AttentionToGQA
+from .lower.mrope import MRopeLowering
 
 RULES: tuple[Rule, ...] = (
+    RotateHalfToRotaryEmbedding(),
     RopeCosSinToCaches(),
     RemoveRepeatKV(),
     KVConcatToAttentionPast(),
+    MRopeLowering(),
     AttentionToGQA(),
 )
 

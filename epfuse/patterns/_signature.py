@@ -2,6 +2,8 @@
 
 * ``past``: rank-4 floating inputs (batch, kv_heads, past, head_dim).
 * ``token``: rank-2 integer inputs other than the attention mask (input_ids, position_ids).
+* ``mrope``: rank-3 integer inputs whose first dim is 3: (3, batch, seq) mRoPE position
+  streams (temporal, height, width) of Qwen2-VL-style decoders.
 * ``embeds``: rank-3 floating inputs (batch, seq, hidden).
 * ``mask``: the rank-2 input a mask is computed from (batch, past + seq).
 
@@ -37,6 +39,8 @@ def probe_array(value: ir.Value, role_mask: ir.Value, batch: int, seq: int, past
         return np.zeros((batch, d1, past, d3), dtype=np_dtype)
     if len(dims) == 2 and dtype in (ir.DataType.INT64, ir.DataType.INT32):
         return np.zeros((batch, seq), dtype=np_dtype)
+    if len(dims) == 3 and dtype in (ir.DataType.INT64, ir.DataType.INT32) and fixed(0) == 3:
+        return np.zeros((3, batch, seq), dtype=np_dtype)
     if len(dims) == 3 and dtype in _FLOATS:
         d2 = fixed(2)
         if d2 is None:

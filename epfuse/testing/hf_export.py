@@ -10,6 +10,10 @@ The exported graph has the interface of a generic ``torch.onnx`` (dynamo) export
 - outputs ``logits`` (B, S, V), then ``present.{l}.key`` / ``.value`` (B, Nkv, P+S, H)
 
 with dynamic ``batch``, ``seq``, ``past`` and ``total`` dimensions.
+
+:func:`export_hf_mrope_decoder` exports the text decoder (+ LM head) of a vision-language model
+with 3-D mRoPE (Qwen2-VL, Qwen2.5-VL, Qwen3-VL): the same interface except ``position_ids``,
+which is (3, B, S) (temporal, height, width streams).
 """
 
 from __future__ import annotations
@@ -71,14 +75,65 @@ def _kv_dims(config) -> tuple[int, int, int]:
     return num_layers, num_kv, int(head_dim)
 
 
-def _build_model(config, seed: int, initializer_range: float | None, dtype: str = "float32"):
+def tiny_qwen2_5_vl_config(**text_overrides: Any):
+    """A tiny Qwen2.5-VL (2-layer GQA text decoder with sectioned mRoPE, a 1-block vision
+    tower that the text export does not use)."""
+    from transformers import Qwen2_5_VLConfig
+
+    return Qwen2_5_VLConfig(
+        text_config=_tiny_vl_text(text_overrides, [2, 3, 3]),
+        vision_config=dict(
+            depth=1, hidden_size=32, intermediate_size=32, num_heads=2, out_hidden_size=64
+        ),
+    )
+
+
+def tiny_qwen3_vl_config(**text_overrides: Any):
+    """A tiny Qwen3-VL (interleaved mRoPE, q/k norms)."""
+    from transformers import Qwen3VLConfig
+
+    return Qwen3VLConfig(
+        text_config=_tiny_vl_text(text_overrides, [4, 2, 2]),
+        vision_config=dict(
+            depth=1, hidden_size=32, intermediate_size=32, num_heads=2, out_hidden_size=64
+        ),
+    )
+
+
+def _tiny_vl_text(overrides: dict[str, Any], mrope_section: list[int]) -> dict[str, Any]:
+    text: dict[str, Any] = dict(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 10000.0,
+            "mrope_section": mrope_section,
+        },
+    )
+    text.update(overrides)
+    return text
+
+
+def _build_model(
+    config,
+    seed: int,
+    initializer_range: float | None,
+    dtype: str = "float32",
+    auto_class: str = "AutoModelForCausalLM",
+):
     """Deterministically build the random-weight causal LM for ``config`` and ``seed``.
 
     Weights are drawn in float32 and then cast to ``dtype``, so a float16 model is the rounded
     float32 model of the same seed.
     """
     import torch
-    from transformers import AutoModelForCausalLM
+    import transformers
 
     config = copy.deepcopy(config)
     text = _text_config(config)
@@ -91,7 +146,7 @@ def _build_model(config, seed: int, initializer_range: float | None, dtype: str 
         text.initializer_range = initializer_range
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = getattr(transformers, auto_class).from_config(config, dtype=torch.float32)
     model = model.float().eval()
 
     gen = torch.Generator().manual_seed(seed + 1_000_003)
@@ -118,10 +173,14 @@ def _torch_dtype(dtype: str):
         raise ValueError(f"dtype must be float32, float16 or bfloat16, got {dtype!r}") from None
 
 
-def _make_wrapper(model, num_layers: int):
+def _make_wrapper(model, num_layers: int, text_only: bool = False):
+    """``text_only``: a vision-language model's text decoder and LM head, nothing visual."""
     import torch
     from transformers import DynamicCache
 
+    lm_head = model.lm_head if text_only else None
+    if text_only:
+        model = model.model.language_model
     # transformers >= 5.x renamed ``past_key_values`` to ``cache`` (argument and output field).
     cache_kw = (
         "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
@@ -155,7 +214,8 @@ def _make_wrapper(model, num_layers: int):
                 for layer in range(num_layers)
                 for t in (pkv.layers[layer].keys, pkv.layers[layer].values)
             ]
-            return (out.logits, *presents)
+            logits = lm_head(out.last_hidden_state) if text_only else out.logits
+            return (logits, *presents)
 
     return _Wrapper().eval()
 
@@ -322,3 +382,101 @@ def hf_reference_logits(
         dtype=dtype,
     )
     return logits
+
+
+def export_hf_mrope_decoder(
+    config,
+    path: str | Path,
+    *,
+    opset: int = 23,
+    seed: int = 0,
+    initializer_range: float | None = None,
+    dtype: str = "float32",
+) -> Path:
+    """Export the text decoder + LM head of a vision-language ``config`` (Qwen2-VL, Qwen2.5-VL,
+    Qwen3-VL) with (3, B, S) ``position_ids``; otherwise as :func:`export_hf_decoder`.
+
+    The vision tower is built (random) but not exported: image features would enter as input
+    embeddings, which does not change the decoder's attention or its mRoPE.
+    """
+    import torch
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    model, config = _build_model(
+        config, seed, initializer_range, dtype, auto_class="AutoModelForImageTextToText"
+    )
+    num_layers, num_kv, head_dim = _kv_dims(config)
+    wrapper = _make_wrapper(model, num_layers, text_only=True)
+
+    b, s, p = _EXAMPLE_BATCH, _EXAMPLE_SEQ, _EXAMPLE_PAST
+    vocab = int(_text_config(config).vocab_size)
+    gen = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(0, vocab, (b, s), generator=gen, dtype=torch.int64)
+    attention_mask = torch.ones((b, p + s), dtype=torch.int64)
+    # Distinct streams, so that nothing specialises on T == H == W.
+    position_ids = torch.stack([torch.arange(p, p + s) + k for k in range(3)])
+    position_ids = position_ids[:, None, :].expand(3, b, s).contiguous()
+    past = tuple(
+        torch.randn((b, num_kv, p, head_dim), generator=gen).to(_torch_dtype(dtype))
+        for _ in range(2 * num_layers)
+    )
+
+    bd, sd, pd, td = (torch.export.Dim(n) for n in ("batch", "seq", "past", "total"))
+    dynamic_shapes = (
+        {0: bd, 1: sd},
+        {0: bd, 1: td},
+        {1: bd, 2: sd},
+        tuple({0: bd, 2: pd} for _ in range(2 * num_layers)),
+    )
+    with _quiet(), torch.no_grad():
+        program = torch.onnx.export(
+            wrapper,
+            (input_ids, attention_mask, position_ids, *past),
+            input_names=[
+                "input_ids",
+                "attention_mask",
+                "position_ids",
+                *past_input_names(num_layers),
+            ],
+            output_names=["logits", *present_output_names(num_layers)],
+            dynamic_shapes=dynamic_shapes,
+            opset_version=opset,
+            dynamo=True,
+            verbose=False,
+        )
+        program.save(str(path), external_data=False)
+    return path
+
+
+def hf_mrope_reference(
+    config,
+    seed: int,
+    input_ids: np.ndarray,
+    attention_mask: np.ndarray,
+    position_ids: np.ndarray,
+    past: Sequence[np.ndarray] | None = None,
+    *,
+    initializer_range: float | None = None,
+    dtype: str = "float32",
+) -> tuple[np.ndarray, list[np.ndarray]]:
+    """The torch model :func:`export_hf_mrope_decoder` exports, run on (3, B, S) positions."""
+    import torch
+
+    tdtype = _torch_dtype(dtype)
+    model, config = _build_model(
+        config, seed, initializer_range, dtype, auto_class="AutoModelForImageTextToText"
+    )
+    num_layers, num_kv, head_dim = _kv_dims(config)
+    wrapper = _make_wrapper(model, num_layers, text_only=True)
+    ids = torch.from_numpy(np.asarray(input_ids, dtype=np.int64))
+    mask = torch.from_numpy(np.asarray(attention_mask, dtype=np.int64))
+    pos = torch.from_numpy(np.asarray(position_ids, dtype=np.int64))
+    if past:
+        past_t = [torch.from_numpy(np.asarray(t, dtype=np.float32)).to(tdtype) for t in past]
+    else:
+        empty = (ids.shape[0], num_kv, 0, head_dim)
+        past_t = [torch.zeros(empty, dtype=tdtype) for _ in range(2 * num_layers)]
+    with torch.no_grad():
+        out = wrapper(ids, mask, pos, *past_t)
+    return out[0].float().numpy(), [t.float().numpy() for t in out[1:]]

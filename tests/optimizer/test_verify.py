@@ -262,9 +262,9 @@ def test_position_feed_extension_point_for_3d_positions(example):
     from epfuse.optimizer.verify import position_feed
 
     io = discover_io(example)
-    assert io.position_ids_rank == 2
+    assert not io.position_streams
     positions = np.array([[0, 1, 2], [5, 6, 7]])
     assert position_feed(io, positions).shape == (2, 3)
-    fed = position_feed(dataclasses.replace(io, position_ids_rank=3), positions)
+    fed = position_feed(dataclasses.replace(io, position_streams=True), positions)
     assert fed.shape == (3, 2, 3) and fed.dtype == np.int64
     assert all((fed[i] == positions).all() for i in range(3))

@@ -15,6 +15,12 @@ RoPE: when Q and K are rotated by the same canonical ``RotaryEmbedding`` (consta
 limits, interleaving, positions read from ``position_ids``), the rotation moves into GQA with
 ``do_rotary=1``. Otherwise the rotation stays in the graph and GQA runs with ``do_rotary=0``
 on the rotated Q and K — always correct — and the report says why.
+
+Fused rotary takes one position per token and, on a first prompt, only ``position_ids[b, 0]``
+(then consecutive positions). So ``do_rotary=1`` also needs the positions to be a (batch, seq)
+int64 graph input, contiguous by the decoder's contract; derived positions (e.g. one stream of
+a (3, batch, seq) mRoPE input) and 3-D mRoPE (``MRotaryEmbedding``, or cos/sin mixed from
+position streams) always keep the rotation outside.
 """
 
 from __future__ import annotations
@@ -35,7 +41,11 @@ from .._graph import (
 )
 from .._layout import bsd_consumer, from_bsd, last_dim, to_bsd
 from ..base import Kept, RewriteContext, Rewritten, Rule, Stage
+from ..canonicalize.rotate_half import RotateHalfToRotaryEmbedding
 from ..mask_analysis import ProvenMask, analyze_mask
+from .mrope import is_streams, mrope_positions, unproven_reason
+
+_MROPE_REASON = "3-D mRoPE positions ({how}): fused rotary takes one position per token"
 
 
 class _Rope:
@@ -219,21 +229,41 @@ class AttentionToGQA(Rule):
     def _plan_rope(self, q: ir.Value, k: ir.Value, head_size: int, ctx: RewriteContext):
         caps = ctx.ops.gqa
         q_node, k_node = producer(q, "RotaryEmbedding"), producer(k, "RotaryEmbedding")
+        mrotary = [producer(v, "MRotaryEmbedding", "com.microsoft") for v in (q, k)]
+        if any(n is not None for n in mrotary):
+            return _RopePlan(False, None, None, _MROPE_REASON.format(how="MRotaryEmbedding"))
         if q_node is None and k_node is None:
-            return _RopePlan(False, None, None, None)
+            return _RopePlan(False, None, None, _arithmetic_rope_reason(q))
         if q_node is None or k_node is None:
             return _RopePlan(False, None, None, "only one of Q and K is rotated")
         rq, rk = _Rope(q_node), _Rope(k_node)
         if not rq.same_as(rk):
             return _RopePlan(False, rq, rk, "Q and K are rotated differently")
+        if rq.positions is None and rq.cos is not None and mrope_positions(rq.cos) is not None:
+            how = "cos/sin mixed per stream"
+            unproven = unproven_reason(ctx, rq.node)
+            if unproven:
+                how += f"; not lowered to MRotaryEmbedding: {unproven}"
+            return _RopePlan(False, rq, rk, _MROPE_REASON.format(how=how))
         cos, sin = rq.caches()
         if cos is None or sin is None or rq.positions is None:
             return _RopePlan(False, rq, rk, "cos/sin are not constant caches with position_ids")
         if cos.ndim != 2 or sin.shape != cos.shape:
             return _RopePlan(False, rq, rk, "cos/sin caches are not (max_len, rotary_dim/2)")
         pos = rq.positions
-        if pos.shape is not None and len(pos.shape) != 2:
-            return _RopePlan(False, rq, rk, "positions are not (batch, seq)")
+        if is_streams(pos):
+            return _RopePlan(False, rq, rk, _MROPE_REASON.format(how="position_ids"))
+        if pos.shape is None or len(pos.shape) != 2:
+            return _RopePlan(False, rq, rk, "positions are not known to be (batch, seq)")
+        if not pos.is_graph_input():
+            return _RopePlan(
+                False,
+                rq,
+                rk,
+                # Fused rotary on a first prompt uses position_ids[b, 0] + arange: only the
+                # graph input is under that (documented) contract, not ids computed from it.
+                "RoPE positions are computed in the graph, not the position_ids input",
+            )
         width = cos.shape[1]
         rotary_dim = rq.rotary_dim or head_size
         if rotary_dim != 2 * width:
@@ -258,13 +288,20 @@ class AttentionToGQA(Rule):
             )
         if pos.dtype != ir.DataType.INT64:
             return _RopePlan(False, rq, rk, "position_ids are not int64")
-        if not pos.is_graph_input():
-            # Fused rotary on a first prompt uses position_ids[b, 0] + arange: only the graph
-            # input is under that (documented) contract, not ids computed from it.
-            return _RopePlan(
-                False, rq, rk, "RoPE positions are computed, not the position_ids input"
-            )
         return _RopePlan(True, rq, rk, None)
+
+
+def _arithmetic_rope_reason(q: ir.Value) -> str | None:
+    """Why RoPE written out as arithmetic (not lifted to RotaryEmbedding) stays outside."""
+    node = q.producer()
+    if node is None or node.op_type != "Add":
+        return None
+    match = RotateHalfToRotaryEmbedding._match(node)
+    if match is None:
+        return None
+    if mrope_positions(match[1]) is not None:
+        return _MROPE_REASON.format(how="rotated by the exported arithmetic")
+    return "RoPE is exported arithmetic that was not lifted to RotaryEmbedding"
 
 
 class _RopePlan:
