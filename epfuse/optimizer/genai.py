@@ -318,6 +318,8 @@ def genai_config(
             "top_p": 1.0,
         },
     }
+    if config["model"]["bos_token_id"] is None:
+        del config["model"]["bos_token_id"]  # genai rejects null; absent means "none"
     return config, blocker
 
 
