@@ -235,6 +235,21 @@ def test_unfused_model_runs_without_a_shared_buffer(family, tmp_path):
     _assert_same_tokens(got, want, margins, "unfused single prompt")
 
 
+@pytest.mark.parametrize("family", ["llama"], indirect=True)
+def test_fused_model_also_runs_with_a_copied_cache(family, tmp_path):
+    """past_present_share_buffer=false on the fused model: genai grows the cache by copying
+    and GQA still reads only the first seqlens_k rows, so the batch still matches HF."""
+    from epfuse.optimizer.io import load_model
+
+    optimized = load_model(family.package.directory / "model.onnx")
+    package = write_genai_package(optimized, family.report, tmp_path / "copied", share_buffer=False)
+    assert package.share_buffer is False and package.share_buffer_blocker is None
+    got = genai_generate(og.Model(str(package.directory)), list(PROMPTS))
+    for row, prompt in enumerate(PROMPTS):
+        want, margins = hf_generate(family.hf, prompt)
+        _assert_same_tokens(got[row], want, margins, f"copied-cache batch row {row}")
+
+
 def _python_loop(path: Path, prompt: list[int], n: int = NEW_TOKENS) -> tuple[list[int], float]:
     """Greedy decoding of an exported model with a plain ORT session (growing past)."""
     session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
