@@ -21,6 +21,7 @@ import pytest
 
 import epfuse
 from epfuse.optimizer.genai import GenaiPackage, write_genai_package
+from epfuse.optimizer.tolerances import tolerance_for
 from epfuse.testing.hf_export import export_hf_decoder, hf_model, past_input_names
 
 pytest.importorskip("torch")
@@ -33,9 +34,11 @@ NEW_TOKENS = 32
 PAD, BOS, EOS = 0, 1, 2
 VOCAB = 256
 MAX_SEQ_LEN = 256  # rows of the fused cos/sin caches = genai context_length
+# Drawn at random (seed 2026) and kept because, for all three families, HF's top-2 logit
+# margin at every one of the 32 steps is >= 1.5x the near-tie bound of _assert_same_generation.
 PROMPTS = (
-    [BOS, 17, 93, 5, 200, 44, 61, 9, 120, 77, 31],
-    [BOS, 33, 8, 150, 66],
+    [BOS, 218, 48, 9, 164, 95, 121, 23, 96, 165, 92],
+    [BOS, 187, 235, 74, 163],
 )
 _DIMS = dict(
     vocab_size=VOCAB,
@@ -128,7 +131,7 @@ def family(request, tmp_path_factory) -> Family:
 
 
 def hf_generate(hf, prompt: list[int], n: int = NEW_TOKENS) -> tuple[list[int], np.ndarray]:
-    """Greedy tokens and the per-step logit margin (top-1 minus top-2) of ``transformers``."""
+    """Greedy tokens and the raw logits at each step, (n, vocab), of ``transformers``."""
     import torch
 
     ids = torch.tensor([prompt])
@@ -140,17 +143,27 @@ def hf_generate(hf, prompt: list[int], n: int = NEW_TOKENS) -> tuple[list[int], 
         do_sample=False,
         eos_token_id=EOS,
         pad_token_id=PAD,
-        output_scores=True,
+        output_logits=True,
         return_dict_in_generate=True,
     )
-    scores = torch.stack(out.scores)[:, 0].float()
-    top2 = torch.topk(scores, 2, dim=-1).values
-    margins = (top2[:, 0] - top2[:, 1]).numpy()
-    return out.sequences[0, len(prompt) :].tolist(), margins
+    logits = torch.stack(out.logits)[:, 0].float().numpy()
+    return out.sequences[0, len(prompt) :].tolist(), logits
 
 
-def genai_generate(model, prompts, n: int = NEW_TOKENS) -> list[list[int]]:
-    """Greedy generation in onnxruntime-genai from right-padded prompts; new tokens per row."""
+def margins(logits: np.ndarray) -> np.ndarray:
+    """Top-1 minus top-2 logit per step (EOS excluded: both sides suppress it, min_length)."""
+    top2 = np.sort(np.delete(logits, EOS, axis=-1), axis=-1)[:, -2:]
+    return top2[:, 1] - top2[:, 0]
+
+
+def genai_generate(
+    model, prompts, n: int = NEW_TOKENS, *, logits: bool = True
+) -> tuple[list[list[int]], np.ndarray | None]:
+    """Greedy generation in onnxruntime-genai from right-padded prompts.
+
+    Returns the new tokens per row and the logits each step chose from, (rows, n, vocab)
+    (``get_logits`` before ``generate_next_token`` runs the model for the pending tokens).
+    """
     length = max(len(p) for p in prompts)
     params = og.GeneratorParams(model)
     params.set_search_options(
@@ -161,20 +174,37 @@ def genai_generate(model, prompts, n: int = NEW_TOKENS) -> list[list[int]]:
     for row, prompt in enumerate(prompts):
         ids[row, : len(prompt)] = prompt
     generator.append_tokens(ids)
+    steps = []
     while not generator.is_done():
+        if logits:
+            steps.append(np.asarray(generator.get_logits()).reshape(len(prompts), -1))
         generator.generate_next_token()
-    return [list(map(int, generator.get_sequence(i)))[length:] for i in range(len(prompts))]
+    tokens = [list(map(int, generator.get_sequence(i)))[length:] for i in range(len(prompts))]
+    return tokens, (np.stack(steps, axis=1) if logits else None)
 
 
-def _assert_same_tokens(got: list[int], want: list[int], margins: np.ndarray, what: str):
-    if got == want:
-        return
-    step = next(i for i, (a, b) in enumerate(zip(got, want, strict=True)) if a != b)
-    raise AssertionError(
-        f"{what}: first difference at new token {step}: genai {got[step]}, HF {want[step]}; "
-        f"HF logit margin there {margins[step]:.3g} (a margin near 0 is a near-tie that fp32 "
-        f"implementations may break differently)\ngenai {got}\nHF    {want}"
+def _assert_same_generation(got, got_logits, want, want_logits, what: str) -> None:
+    """Same tokens, and every step's logits within the fp32 tolerance of HF's.
+
+    Greedy tokens are only a fair test where no step is a near-tie: two implementations
+    within the tolerance can pick different argmaxes when the top-2 margin is below twice the
+    per-logit bound. The prompts were chosen so that HF's margins clear that bound; if a
+    change of weights or prompts breaks this, the failure says so instead of flaking.
+    """
+    tol = tolerance_for("float32")
+    bound = 2 * (tol.atol + tol.rtol * float(np.abs(want_logits).max()))
+    margin = margins(want_logits)
+    assert margin.min() > bound, (
+        f"{what}: HF's top-2 logit margin {margin.min():.2e} at new token "
+        f"{int(margin.argmin())} is a near-tie (< {bound:.1e}): choose another prompt"
     )
+    if got != want:
+        step = next(i for i, (a, b) in enumerate(zip(got, want, strict=True)) if a != b)
+        raise AssertionError(
+            f"{what}: first difference at new token {step}: genai {got[step]}, HF "
+            f"{want[step]}; HF margin there {margin[step]:.3g}\ngenai {got}\nHF    {want}"
+        )
+    np.testing.assert_allclose(got_logits, want_logits, atol=tol.atol, rtol=tol.rtol, err_msg=what)
 
 
 def test_package_is_fused_and_shares_the_buffer(family):
@@ -196,16 +226,18 @@ def test_package_is_fused_and_shares_the_buffer(family):
 
 
 def test_single_prompt_matches_hf_generate(family):
-    want, margins = hf_generate(family.hf, PROMPTS[0])
-    (got,) = genai_generate(family.model, [PROMPTS[0]])
-    _assert_same_tokens(got, want, margins, f"{family.name} single prompt")
+    want, want_logits = hf_generate(family.hf, PROMPTS[0])
+    (got,), got_logits = genai_generate(family.model, [PROMPTS[0]])
+    _assert_same_generation(got, got_logits[0], want, want_logits, f"{family.name} prompt")
 
 
 def test_right_padded_batch_matches_hf_generate(family):
-    got = genai_generate(family.model, list(PROMPTS))
+    got, got_logits = genai_generate(family.model, list(PROMPTS))
     for row, prompt in enumerate(PROMPTS):
-        want, margins = hf_generate(family.hf, prompt)
-        _assert_same_tokens(got[row], want, margins, f"{family.name} batch row {row}")
+        want, want_logits = hf_generate(family.hf, prompt)
+        _assert_same_generation(
+            got[row], got_logits[row], want, want_logits, f"{family.name} batch row {row}"
+        )
 
 
 @pytest.mark.parametrize("family", ["llama"], indirect=True)
@@ -230,9 +262,9 @@ def test_unfused_model_runs_without_a_shared_buffer(family, tmp_path):
     assert "read by Attention" in package.share_buffer_blocker
     assert package.config["search"]["past_present_share_buffer"] is False
     model = og.Model(str(package.directory))
-    want, margins = hf_generate(family.hf, PROMPTS[0])
-    (got,) = genai_generate(model, [PROMPTS[0]])
-    _assert_same_tokens(got, want, margins, "unfused single prompt")
+    want, want_logits = hf_generate(family.hf, PROMPTS[0])
+    (got,), got_logits = genai_generate(model, [PROMPTS[0]])
+    _assert_same_generation(got, got_logits[0], want, want_logits, "unfused prompt")
 
 
 @pytest.mark.parametrize("family", ["llama"], indirect=True)
@@ -244,10 +276,12 @@ def test_fused_model_also_runs_with_a_copied_cache(family, tmp_path):
     optimized = load_model(family.package.directory / "model.onnx")
     package = write_genai_package(optimized, family.report, tmp_path / "copied", share_buffer=False)
     assert package.share_buffer is False and package.share_buffer_blocker is None
-    got = genai_generate(og.Model(str(package.directory)), list(PROMPTS))
+    got, got_logits = genai_generate(og.Model(str(package.directory)), list(PROMPTS))
     for row, prompt in enumerate(PROMPTS):
-        want, margins = hf_generate(family.hf, prompt)
-        _assert_same_tokens(got[row], want, margins, f"copied-cache batch row {row}")
+        want, want_logits = hf_generate(family.hf, prompt)
+        _assert_same_generation(
+            got[row], got_logits[row], want, want_logits, f"copied-cache batch row {row}"
+        )
 
 
 def _python_loop(path: Path, prompt: list[int], n: int = NEW_TOKENS) -> tuple[list[int], float]:
@@ -279,20 +313,24 @@ def _python_loop(path: Path, prompt: list[int], n: int = NEW_TOKENS) -> tuple[li
 def test_tokens_per_second_report(family):
     """Prints speed (never asserted); asserts only that all three paths agree on the tokens."""
     prompt = PROMPTS[0]
-    # Best of three: the CI machine is shared, single runs are noisy.
-    plain = [_python_loop(family.plain, prompt) for _ in range(3)]
-    fused = [_python_loop(family.package.directory / "model.onnx", prompt) for _ in range(3)]
-    genai_generate(family.model, [prompt])  # warm-up
-    genai_s = float("inf")
-    for _ in range(3):
+    # Medians of five runs, with the spread: the machine may be shared, single runs are noisy.
+    plain = [_python_loop(family.plain, prompt) for _ in range(5)]
+    fused = [_python_loop(family.package.directory / "model.onnx", prompt) for _ in range(5)]
+    genai_generate(family.model, [prompt], logits=False)  # warm-up
+    genai = []
+    for _ in range(5):
         start = time.perf_counter()
-        (genai_tokens,) = genai_generate(family.model, [prompt])
-        genai_s = min(genai_s, time.perf_counter() - start)
-    plain_tokens, plain_s = plain[0][0], min(s for _, s in plain)
-    fused_tokens, fused_s = fused[0][0], min(s for _, s in fused)
+        (tokens,), _ = genai_generate(family.model, [prompt], logits=False)
+        genai.append((tokens, time.perf_counter() - start))
+
+    def rate(runs) -> str:
+        per_s = sorted(NEW_TOKENS / seconds for _, seconds in runs)
+        return f"{per_s[len(per_s) // 2]:.0f} ({per_s[0]:.0f}-{per_s[-1]:.0f})"
+
+    plain_tokens, fused_tokens, genai_tokens = plain[0][0], fused[0][0], genai[0][0]
     assert plain_tokens == fused_tokens == genai_tokens
     print(
-        f"\n{family.name}: {NEW_TOKENS} new tokens, tokens/s: plain export in a Python loop "
-        f"{NEW_TOKENS / plain_s:.0f}, optimized in a Python loop {NEW_TOKENS / fused_s:.0f}, "
-        f"optimized in onnxruntime-genai {NEW_TOKENS / genai_s:.0f}"
+        f"\n{family.name}: {NEW_TOKENS} new tokens, tokens/s median (min-max of 5): plain "
+        f"export in a Python loop {rate(plain)}, optimized in a Python loop {rate(fused)}, "
+        f"optimized in onnxruntime-genai {rate(genai)}"
     )
