@@ -268,8 +268,8 @@ def genai_config(
         ids[key] = value
     eos = ids["eos_token_id"]
     pad = _first_id(ids["pad_token_id"])
-    if pad is None:
-        pad = _first_id(eos) if eos is not None else 0
+    if pad is None and eos is not None:
+        pad = _first_id(eos)  # as genai's builder does for models without a pad token
     provider_options = []
     if record.name in _GENAI_PROVIDERS:
         provider_options.append({_GENAI_PROVIDERS[record.name]: {}})
@@ -296,7 +296,7 @@ def genai_config(
                 "num_hidden_layers": names.num_layers,
                 "num_key_value_heads": kv_heads,
             },
-            "eos_token_id": eos if eos is not None else pad,
+            "eos_token_id": eos,
             "pad_token_id": pad,
             "type": model_type,
             "vocab_size": vocab,
@@ -318,8 +318,10 @@ def genai_config(
             "top_p": 1.0,
         },
     }
-    if config["model"]["bos_token_id"] is None:
-        del config["model"]["bos_token_id"]  # genai rejects null; absent means "none"
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        if config["model"][key] is None:
+            # genai rejects null; absent, it uses its defaults (eos and pad 0).
+            del config["model"][key]
     return config, blocker
 
 
