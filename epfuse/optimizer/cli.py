@@ -1,6 +1,7 @@
 """The ``epfuse`` command line.
 
     epfuse optimize [IN] [-o OUT] [--ep EP] [--report FILE.json] [--max-seq-len N] [--verify]
+                    [--genai [--hf-config DIR]]
     epfuse verify ORIGINAL OPTIMIZED [--prompt-len N]
     epfuse capabilities [--ep EP]
 
@@ -76,6 +77,17 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="compare with the original on ORT CPU; roll back layers whose rewrite fails",
     )
+    opt.add_argument(
+        "--genai",
+        action="store_true",
+        help="write an onnxruntime-genai folder (OUT/model.onnx + genai_config.json)",
+    )
+    opt.add_argument(
+        "--hf-config",
+        metavar="DIR",
+        help="with --genai: Hugging Face folder to read config/generation_config and copy "
+        "tokenizer files from",
+    )
     opt.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
     opt.set_defaults(handler=_optimize)
 
@@ -112,6 +124,12 @@ def _optimize(args: argparse.Namespace) -> int:
 
     record = get_ep(args.ep)  # fail on a bad EP before reading anything
     source = Path(args.input) if args.input else EXAMPLE_MODEL
+    if args.hf_config and not args.genai:
+        raise EpfuseError("--hf-config needs --genai")
+    if args.hf_config and not Path(args.hf_config, "config.json").is_file():
+        raise EpfuseError(f"{args.hf_config}: no config.json (not a Hugging Face folder)")
+    if args.genai:
+        return _optimize_genai(args, record, source)
     if args.output:
         output = Path(args.output)
     elif args.input:
@@ -184,6 +202,47 @@ def _verify(args: argparse.Namespace) -> int:
     failed = ", ".join(result.failed_scenarios())
     print(f"\nFAIL ({failed})")
     return EXIT_NOT_EQUIVALENT
+
+
+def _optimize_genai(args: argparse.Namespace, record, source: Path) -> int:
+    from epfuse.optimizer.api import optimize_with_report
+    from epfuse.optimizer.genai import write_genai_package
+
+    if args.output:
+        outdir = Path(args.output)
+    elif args.input:
+        outdir = source.with_name(f"{source.stem}.{record.name}.genai")
+    else:
+        outdir = Path(tempfile.mkdtemp(prefix="epfuse-")) / f"{source.stem}.{record.name}.genai"
+    if outdir.exists() and not outdir.is_dir():
+        raise EpfuseError(f"{outdir}: --genai writes a folder, but this is a file")
+    target = outdir / "model.onnx"
+    if target.exists() and source.exists() and target.resolve() == source.resolve():
+        raise EpfuseError(f"{target}: refusing to overwrite the input model")
+    if args.max_seq_len < 1:
+        raise EpfuseError("--max-seq-len must be positive")
+    model, report = optimize_with_report(
+        source, record, max_seq_len=args.max_seq_len, verify=args.verify
+    )
+    package = write_genai_package(model, report, outdir, hf_config_dir=args.hf_config, ep=record)
+    if args.report:
+        Path(args.report).write_text(report.to_json(indent=2) + "\n")
+    print(f"input:  {source}")
+    print(report.summary())
+    if package.share_buffer:
+        print("\ngenai: past and present share one KV buffer (past_present_share_buffer)")
+    else:
+        print(
+            "\ngenai: past and present cannot share one KV buffer "
+            f"({package.share_buffer_blocker}); past_present_share_buffer is false"
+        )
+    if args.hf_config:
+        copied = ", ".join(package.copied) or "nothing"
+        print(f"genai: copied from {args.hf_config}: {copied}")
+    else:
+        print("genai: no --hf-config: add tokenizer files before loading it with a tokenizer")
+    print(f"\nwrote {outdir}")
+    return 0
 
 
 _COLUMNS = (

@@ -162,6 +162,13 @@ def _build_model(
     return model.to(_torch_dtype(dtype)), config
 
 
+def hf_model(
+    config, seed: int = 0, *, initializer_range: float | None = None, dtype: str = "float32"
+):
+    """The seeded torch causal LM that :func:`export_hf_decoder` exports (for ``generate``)."""
+    return _build_model(config, seed, initializer_range, dtype)[0]
+
+
 def _torch_dtype(dtype: str):
     import torch
 

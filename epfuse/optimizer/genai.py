@@ -1,0 +1,379 @@
+"""Package an optimized model for onnxruntime-genai: ``model.onnx`` + ``genai_config.json``.
+
+onnxruntime-genai drives a decoder through the names and sizes in ``genai_config.json``
+(the schema its own builder, ``onnxruntime_genai.models.builder``, writes). With
+``search.past_present_share_buffer`` it allocates each layer's KV cache once, at
+``(batch, kv_heads, max_length, head_size)``, and binds the same buffer as ``past_*`` input
+and ``present_*`` output. That is only correct when every past tensor is read by nothing but
+the past input of a ``GroupQueryAttention`` whose present output is the matching graph output:
+GQA then writes the new K/V in place at ``seqlens_k`` and never reads the buffer's length.
+Any other reader (a ``Shape`` of the past, a ``Concat``, a standard ``Attention``) would see
+``max_length`` instead of the past length, so :func:`share_buffer_blocker` checks exactly this
+on the graph and the config only asks for sharing when nothing blocks it.
+
+``total_sequence_length`` for GQA is ``Shape(attention_mask)[1]`` (built by the GQA lowering);
+genai feeds the mask at the current total length in both modes, so no post-pass is needed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import onnx_ir as ir
+
+from epfuse.capabilities import EPCapabilities, get_ep
+from epfuse.errors import UnsupportedModelError
+from epfuse.patterns.lower.gqa import _heads as attention_heads
+
+from .io import save_model
+from .report import Report
+
+CONFIG_NAME = "genai_config.json"
+
+# genai's session_options.provider_options names (from its builder and runtime strings).
+_GENAI_PROVIDERS = {
+    "cuda": "cuda",
+    "dml": "dml",
+    "webgpu": "webgpu",
+    "trt-rtx": "NvTensorRtRtx",
+    "qnn": "qnn",
+    "openvino": "OpenVINO",
+}
+
+# Files onnxruntime-genai reads for its tokenizer, copied when a Hugging Face folder is given.
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+    "chat_template.jinja",
+)
+
+_GQA = ("com.microsoft", "GroupQueryAttention")
+
+
+@dataclasses.dataclass
+class KVNames:
+    past_key: str
+    past_value: str
+    present_key: str
+    present_value: str
+    num_layers: int
+
+    def layer(self, index: int) -> tuple[str, str, str, str]:
+        return (
+            self.past_key % index,
+            self.past_value % index,
+            self.present_key % index,
+            self.present_value % index,
+        )
+
+
+@dataclasses.dataclass
+class GenaiPackage:
+    """What :func:`write_genai_package` wrote and decided."""
+
+    directory: Path
+    config: dict[str, Any]
+    share_buffer: bool
+    share_buffer_blocker: str | None
+    """Why the KV buffer cannot be shared (None when it is shared)."""
+    copied: list[str]
+
+
+def _template(names: list[str], kind: str) -> tuple[str, int]:
+    """The ``%d`` name template of one KV kind (``past_key`` ...) and the number of layers."""
+    word = "key" if kind.endswith("key") else "value"
+    prefix = "past" if kind.startswith("past") else "present"
+    candidates: dict[str, list[int]] = {}
+    for name in names:
+        low = name.lower()
+        # past_key_values.0.key (torch.onnx, HF) or past_key_0 / present.key.0 styles.
+        named = word in re.split(r"[./]", low) or re.fullmatch(
+            rf"{prefix}[._]?{word}s?[._]?\d+", low
+        )
+        if not low.startswith(prefix) or not named:
+            continue
+        numbers = list(re.finditer(r"\d+", name))
+        if len(numbers) != 1:
+            continue
+        number = numbers[0]
+        template = name[: number.start()] + "%d" + name[number.end() :]
+        candidates.setdefault(template, []).append(int(number.group()))
+    if len(candidates) != 1:
+        found = ", ".join(sorted(candidates)) or "none"
+        raise UnsupportedModelError(
+            f"cannot find one {prefix} {word} name template with a layer number (found: {found})"
+        )
+    template, layers = next(iter(candidates.items()))
+    if sorted(layers) != list(range(len(layers))):
+        raise UnsupportedModelError(f"{template}: layer numbers are not 0..{len(layers) - 1}")
+    return template, len(layers)
+
+
+def kv_names(model: ir.Model) -> KVNames:
+    """The past/present name templates genai needs (``past_key_values.%d.key`` ...)."""
+    inputs = [v.name for v in model.graph.inputs if v.name]
+    outputs = [v.name for v in model.graph.outputs if v.name]
+    pk, n1 = _template(inputs, "past_key")
+    pv, n2 = _template(inputs, "past_value")
+    ck, n3 = _template(outputs, "present_key")
+    cv, n4 = _template(outputs, "present_value")
+    if len({n1, n2, n3, n4}) != 1:
+        raise UnsupportedModelError(
+            f"past/present counts differ: {n1} past keys, {n2} past values, "
+            f"{n3} present keys, {n4} present values"
+        )
+    return KVNames(pk, pv, ck, cv, n1)
+
+
+def share_buffer_blocker(model: ir.Model, names: KVNames | None = None) -> str | None:
+    """Why past and present cannot share one buffer in ``model``, or None when they can.
+
+    Sharing is safe when, in every layer, the past key/value inputs are read only as inputs
+    3/4 of one GroupQueryAttention and its outputs 1/2 are the present key/value outputs.
+    """
+    names = names or kv_names(model)
+    graph = model.graph
+    inputs = {v.name: v for v in graph.inputs}
+    outputs = {v.name: v for v in graph.outputs}
+    for layer in range(names.num_layers):
+        past_k, past_v, present_k, present_v = names.layer(layer)
+        gqa = None
+        for name, index in ((past_k, 3), (past_v, 4)):
+            value = inputs[name]
+            for use in value.uses():
+                node = use.node
+                if (node.domain, node.op_type) != _GQA:
+                    return (
+                        f"{name} is read by {node.op_type} {node.name!r}, not only by "
+                        "GroupQueryAttention (the attention of this layer was not fused, or "
+                        "the graph reads the past length)"
+                    )
+                if use.idx != index:
+                    return f"{name} feeds GroupQueryAttention input {use.idx}, not {index}"
+                if gqa is not None and node is not gqa:
+                    return f"{name} feeds more than one GroupQueryAttention"
+                gqa = node
+            if not value.uses():
+                return f"{name} is not read by a GroupQueryAttention"
+        assert gqa is not None
+        for name, index in ((present_k, 1), (present_v, 2)):
+            value = outputs[name]
+            if value.producer() is not gqa or value.index() != index:
+                return f"{name} is not output {index} of the GroupQueryAttention reading the past"
+    return None
+
+
+def _dim(value: ir.Value, axis: int) -> int | None:
+    if value.shape is None or len(value.shape) <= axis:
+        return None
+    dim = value.shape[axis]
+    return dim if isinstance(dim, int) else None
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        return {}
+
+
+def _first_id(value: Any) -> int | None:
+    if isinstance(value, list):
+        return int(value[0]) if value else None
+    return int(value) if value is not None else None
+
+
+def genai_config(
+    model: ir.Model,
+    report: Report | None,
+    ep: str | EPCapabilities = "cpu",
+    *,
+    hf_config_dir: str | Path | None = None,
+    filename: str = "model.onnx",
+    share_buffer: bool | None = None,
+) -> tuple[dict[str, Any], str | None]:
+    """``(genai_config, share_buffer_blocker)`` for ``model`` as its builder would write it.
+
+    ``share_buffer`` None asks for sharing exactly when :func:`share_buffer_blocker` finds
+    nothing against it; True raises when something does.
+    """
+    record = get_ep(ep)
+    graph = model.graph
+    names = kv_names(model)
+    blocker = share_buffer_blocker(model, names)
+    if share_buffer and blocker:
+        raise UnsupportedModelError(f"past and present cannot share one buffer: {blocker}")
+    share = blocker is None if share_buffer is None else share_buffer
+
+    hf = _read_json(Path(hf_config_dir) / "config.json") if hf_config_dir else {}
+    text = hf.get("text_config", hf)
+    gen = _read_json(Path(hf_config_dir) / "generation_config.json") if hf_config_dir else {}
+
+    inputs = {v.name for v in graph.inputs}
+    io_inputs: dict[str, str] = {}
+    for key in ("input_ids", "attention_mask", "position_ids"):
+        if key in inputs:
+            io_inputs[key] = key
+    if "input_ids" not in io_inputs:
+        raise UnsupportedModelError("the model has no input_ids input")
+    io_inputs["past_key_names"] = names.past_key
+    io_inputs["past_value_names"] = names.past_value
+    output_names = [v.name for v in graph.outputs]
+    if "logits" not in output_names:
+        raise UnsupportedModelError("the model has no logits output")
+
+    past = next(v for v in graph.inputs if v.name == names.past_key % 0)
+    kv_heads, head_size = _dim(past, 1), _dim(past, 3)
+    gqa = [n for n in graph if (n.domain, n.op_type) == _GQA]
+    heads = None
+    if gqa:
+        heads = gqa[0].attributes["num_heads"].value
+    else:
+        heads = text.get("num_attention_heads")
+        attention = [n for n in graph if (n.domain, n.op_type) == ("", "Attention")]
+        if attention:
+            node = attention[0]
+            found = attention_heads(
+                node,
+                node.inputs[0],
+                node.inputs[1],
+                node.inputs[4] if len(node.inputs) > 4 else None,
+            )
+            if not isinstance(found, str):
+                heads = found[0]
+    kv_heads = kv_heads or text.get("num_key_value_heads")
+    head_size = head_size or text.get("head_dim")
+    if not all(isinstance(x, int) for x in (heads, kv_heads, head_size)):
+        raise UnsupportedModelError(
+            "cannot tell head counts and head size from the graph (pass hf_config_dir)"
+        )
+    logits = next(v for v in graph.outputs if v.name == "logits")
+    vocab = _dim(logits, 2) or text.get("vocab_size")
+
+    context = _context_length(gqa, report, text)
+
+    ids = {}
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        value = gen.get(key, text.get(key))
+        ids[key] = value
+    eos = ids["eos_token_id"]
+    pad = _first_id(ids["pad_token_id"])
+    if pad is None and eos is not None:
+        pad = _first_id(eos)  # as genai's builder does for models without a pad token
+    provider_options = []
+    if record.name in _GENAI_PROVIDERS:
+        provider_options.append({_GENAI_PROVIDERS[record.name]: {}})
+    model_type = str(text.get("model_type") or hf.get("model_type") or "llama")
+    config = {
+        "model": {
+            "bos_token_id": _first_id(ids["bos_token_id"]),
+            "context_length": context,
+            "decoder": {
+                "session_options": {
+                    "log_id": "onnxruntime-genai",
+                    "provider_options": provider_options,
+                },
+                "filename": filename,
+                "head_size": head_size,
+                "hidden_size": int(text.get("hidden_size") or heads * head_size),
+                "inputs": io_inputs,
+                "outputs": {
+                    "logits": "logits",
+                    "present_key_names": names.present_key,
+                    "present_value_names": names.present_value,
+                },
+                "num_attention_heads": heads,
+                "num_hidden_layers": names.num_layers,
+                "num_key_value_heads": kv_heads,
+            },
+            "eos_token_id": eos,
+            "pad_token_id": pad,
+            "type": model_type,
+            "vocab_size": vocab,
+        },
+        "search": {
+            "diversity_penalty": 0.0,
+            "do_sample": False,
+            "early_stopping": True,
+            "length_penalty": 1.0,
+            "max_length": context,
+            "min_length": 0,
+            "no_repeat_ngram_size": 0,
+            "num_beams": 1,
+            "num_return_sequences": 1,
+            "past_present_share_buffer": share,
+            "repetition_penalty": 1.0,
+            "temperature": 1.0,
+            "top_k": 50,
+            "top_p": 1.0,
+        },
+    }
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        if config["model"][key] is None:
+            # genai rejects null; absent, it uses its defaults (eos and pad 0).
+            del config["model"][key]
+    return config, blocker
+
+
+def _context_length(gqa: list[ir.Node], report: Report | None, text: dict[str, Any]) -> int:
+    """Rows of the fused cos/sin caches (GQA rejects longer sequences); else the model's limit."""
+    rows = [
+        _dim(n.inputs[7], 0)
+        for n in gqa
+        if len(n.inputs) > 7 and n.inputs[7] is not None and _dim(n.inputs[7], 0)
+    ]
+    if rows:
+        return min(rows)
+    limits = [text.get("max_position_embeddings")]
+    if report is not None:
+        limits.append(report.options.get("max_seq_len"))
+    limits = [int(x) for x in limits if x]
+    if not limits:
+        raise UnsupportedModelError("cannot tell the context length (pass hf_config_dir)")
+    return min(limits)
+
+
+def write_genai_package(
+    model: ir.Model,
+    report: Report | None,
+    outdir: str | Path,
+    *,
+    hf_config_dir: str | Path | None = None,
+    ep: str | EPCapabilities | None = None,
+    filename: str = "model.onnx",
+    share_buffer: bool | None = None,
+) -> GenaiPackage:
+    """Write ``outdir/model.onnx``, ``outdir/genai_config.json`` and the tokenizer files.
+
+    ``ep`` defaults to the report's EP. Tokenizer files (and ``generation_config.json``) are
+    copied from ``hf_config_dir`` when given; genai cannot load a model folder without a
+    tokenizer, but a caller feeding token ids directly does not need one.
+    """
+    if ep is None:
+        ep = report.ep if report is not None else "cpu"
+    config, blocker = genai_config(
+        model, report, ep, hf_config_dir=hf_config_dir, filename=filename, share_buffer=share_buffer
+    )
+    outdir = Path(outdir)
+    outdir.mkdir(parents=True, exist_ok=True)
+    save_model(model, outdir / filename)
+    (outdir / CONFIG_NAME).write_text(json.dumps(config, indent=4) + "\n")
+    copied = []
+    if hf_config_dir is not None:
+        for name in (*TOKENIZER_FILES, "generation_config.json"):
+            source = Path(hf_config_dir) / name
+            if source.is_file():
+                shutil.copyfile(source, outdir / name)
+                copied.append(name)
+    share = config["search"]["past_present_share_buffer"]
+    return GenaiPackage(outdir, config, share, blocker, copied)
