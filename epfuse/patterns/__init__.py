@@ -5,9 +5,11 @@ from .base import Kept, OptimizeOptions, RewriteContext, Rewritten, Rule, Stage
 from .canonicalize.kv_cache import KVConcatToAttentionPast
 from .canonicalize.repeat_kv import RemoveRepeatKV
 from .canonicalize.rope_caches import RopeCosSinToCaches
+from .canonicalize.softmax_attention import SoftmaxAttentionToAttention
 from .lower.gqa import AttentionToGQA
 
 RULES: tuple[Rule, ...] = (
+    SoftmaxAttentionToAttention(),
     RopeCosSinToCaches(),
     RemoveRepeatKV(),
     KVConcatToAttentionPast(),
