@@ -3,6 +3,7 @@
 
 from .base import Kept, OptimizeOptions, RewriteContext, Rewritten, Rule, Stage
 from .canonicalize.kv_cache import KVConcatToAttentionPast
+from .canonicalize.partial_rotary import PartialRotaryToRotaryDim
 from .canonicalize.repeat_kv import RemoveRepeatKV
 from .canonicalize.rope_caches import RopeCosSinToCaches
 from .canonicalize.softmax_attention import SoftmaxAttentionToAttention
@@ -11,6 +12,7 @@ from .lower.gqa import AttentionToGQA
 RULES: tuple[Rule, ...] = (
     SoftmaxAttentionToAttention(),
     RopeCosSinToCaches(),
+    PartialRotaryToRotaryDim(),
     RemoveRepeatKV(),
     KVConcatToAttentionPast(),
     AttentionToGQA(),

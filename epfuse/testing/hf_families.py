@@ -102,7 +102,9 @@ def _stablelm():
     from transformers import StableLmConfig
 
     params = {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}
-    return StableLmConfig(**_COMMON, rope_parameters=params)
+    # StableLM derives head_dim from hidden_size: 128 / 4 heads = 32, so that the rotated half
+    # (16 channels, cos width 8) is one the CPU's fused rotary accepts.
+    return StableLmConfig(**{**_COMMON, "hidden_size": 128}, rope_parameters=params)
 
 
 def _glm():
