@@ -220,7 +220,8 @@ class AttentionToGQA(Rule):
         caps = ctx.ops.gqa
         q_node, k_node = producer(q, "RotaryEmbedding"), producer(k, "RotaryEmbedding")
         if q_node is None and k_node is None:
-            return _RopePlan(False, None, None, None)
+            # Rotation, if any, is in other ops (e.g. a decomposed rotate_half) and stays.
+            return _RopePlan(False, None, None, "Q and K are not rotated by a RotaryEmbedding")
         if q_node is None or k_node is None:
             return _RopePlan(False, None, None, "only one of Q and K is rotated")
         rq, rk = _Rope(q_node), _Rope(k_node)
