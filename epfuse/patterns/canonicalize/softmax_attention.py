@@ -203,4 +203,3 @@ def _leads_to_qk(value: ir.Value, depth: int = 0) -> bool:
             for i in node.inputs
         )
     return False
-

@@ -55,10 +55,9 @@ def _chain(scale=("Mul", 0.3), softcap=2.0, mask=True, order="standard", extra_u
         )
         return "capped"
 
-    if order == "standard":
-        x = add_softcap(add_scale(x))
-    else:  # scale applied after the softcap: not what Attention computes
-        x = add_scale(add_softcap(x))
+    # "standard" is Attention's order; otherwise the scale comes after the softcap
+    standard = order == "standard"
+    x = add_softcap(add_scale(x)) if standard else add_scale(add_softcap(x))
     if mask:
         nodes.append(helper.make_node("Add", [x, "mask"], ["masked"]))
         x = "masked"
