@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from ._graph import Builder, attr, dim, producer, shape_vector
+from ._graph import Builder, attr, dim, input_at, producer, shape_vector
 
 _BNSH = [0, 2, 1, 3]
 
@@ -87,8 +87,37 @@ def to_bsd(builder: Builder, value: ir.Value, heads: int, head_size: int) -> ir.
     return builder.op("Reshape", [t, shape])
 
 
+def identity_reshape(y: ir.Value) -> ir.Value | None:
+    """The output of y's only consumer when it is a Reshape proven to keep y's shape.
+
+    Some models re-view the attention output as (B, -1, S, H) before transposing it back
+    (a no-op). Proven when the target is y's own dims term by term: each axis is the same
+    static size or the same symbolic dimension (or 0 without allowzero), with at most one
+    -1, which then can only be the remaining axis.
+    """
+    uses = list(y.uses())
+    if len(uses) != 1 or y.is_graph_output() or y.shape is None:
+        return None
+    reshape = uses[0].node
+    if reshape.op_type != "Reshape" or uses[0].idx != 0:
+        return None
+    target = shape_vector(input_at(reshape, 1))
+    if target is None or len(target) != len(y.shape) or target.count(-1) > 1:
+        return None
+    allowzero = attr(reshape, "allowzero", 0)
+    for axis, got in enumerate(target):
+        known = dim(y, axis)
+        if got == -1 or (got == 0 and not allowzero) or got == known:
+            continue
+        return None
+    return reshape.outputs[0]
+
+
 def bsd_consumer(y: ir.Value, width: int) -> ir.Value | None:
-    """The (B, S, N*H) value when y (B, N, S, H) is only read through Transpose + Reshape."""
+    """The (B, S, N*H) value when y (B, N, S, H) is only read through Transpose + Reshape
+    (after, optionally, a Reshape proven to be the identity)."""
+    if (same := identity_reshape(y)) is not None:
+        y = same
     uses = list(y.uses())
     if len(uses) != 1 or y.is_graph_output():
         return None

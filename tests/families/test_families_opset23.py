@@ -217,3 +217,16 @@ def test_qk_norm_stays_ahead_of_gqa(family):
         exported.original, "RMSNormalization"
     )
     assert all("q_norm_weight" not in a for a in _gqa_attrs(exported.optimized))
+
+
+@pytest.mark.parametrize("family", ["phi3"], indirect=True)
+def test_fused_qkv_split_needs_no_layout_ops(family):
+    """Phi-3 slices Q, K, V out of one qkv_proj MatMul (already the (B, S, N*H) layout GQA
+    takes) and re-views the attention output as (B, -1, S, H) before transposing it back:
+    both sides are recognized, so no Transpose is left or inserted."""
+    _, exported = family
+    assert _ops(exported.optimized, "Transpose") == 0
+    gqa = [n for n in exported.optimized.graph.node if n.op_type == "GroupQueryAttention"]
+    producers = {o: n for n in exported.optimized.graph.node for o in n.output}
+    for node in gqa:
+        assert [producers[i].op_type for i in node.input[:3]] == ["Slice"] * 3

@@ -190,9 +190,11 @@ class AttentionToGQA(Rule):
             replace_value(y, out)
         elif (reshaped := bsd_consumer(y, num_heads * head_size)) is not None:
             replace_value(reshaped, out)
-            reshape_node = reshaped.producer()
-            transpose_node = reshape_node.inputs[0].producer()
-            ctx.graph.remove([reshape_node, transpose_node], safe=True)
+            layout_nodes, value = [], reshaped
+            while value is not y:  # Reshape <- Transpose [<- identity Reshape] <- y
+                layout_nodes.append(value.producer())
+                value = layout_nodes[-1].inputs[0]
+            ctx.graph.remove(layout_nodes, safe=True)
         else:
             replace_value(y, from_bsd(builder, out, num_heads, head_size))
         for index, new in ((1, present_k), (2, present_v)):

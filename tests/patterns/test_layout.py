@@ -1,0 +1,80 @@
+"""The identity-Reshape step of ``bsd_consumer``: only a Reshape that provably keeps the
+(B, N, S, H) shape of the attention output may be skipped."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_ir as ir
+import pytest
+
+from epfuse.patterns._graph import Builder
+from epfuse.patterns._layout import bsd_consumer, identity_reshape
+
+N, H = 4, 16
+
+
+def _graph(target_parts, allowzero=0, then_bsd=True):
+    """y (batch, N, seq, H) -> Reshape(target) [-> Transpose -> Reshape(0, 0, N*H)]."""
+    y = ir.Value(
+        name="y", shape=ir.Shape(["batch", N, "seq", H]), type=ir.TensorType(ir.DataType.FLOAT)
+    )
+    ids = ir.Value(
+        name="ids", shape=ir.Shape(["batch", "seq"]), type=ir.TensorType(ir.DataType.INT64)
+    )
+    anchor = ir.node("Identity", [ids])  # insertion point only; removed below
+    graph = ir.Graph([y, ids], [], nodes=[anchor], opset_imports={"": 23})
+    b = Builder(graph, anchor, "t")
+    parts = []
+    for part in target_parts:
+        if part == "batch":
+            parts.append(b.op("Shape", [ids], {"start": 0, "end": 1}))
+        elif part == "seq":
+            parts.append(b.op("Shape", [ids], {"start": 1, "end": 2}))
+        else:
+            parts.append(b.const("c", np.array([part], dtype=np.int64)))
+    target = b.op("Concat", parts, {"axis": 0})
+    viewed = b.op("Reshape", [y, target], {"allowzero": allowzero})
+    out = viewed
+    if then_bsd:
+        t = b.op("Transpose", [viewed], {"perm": [0, 2, 1, 3]})
+        out = b.op("Reshape", [t, b.const("bsd", np.array([0, 0, N * H], dtype=np.int64))])
+    graph.outputs.append(out)
+    graph.remove(anchor, safe=True)
+    return graph, y, viewed, out
+
+
+@pytest.mark.parametrize(
+    "target",
+    [
+        ["batch", -1, "seq", H],
+        ["batch", N, "seq", H],
+        [0, -1, 0, H],
+        ["batch", N, "seq", -1],
+        [-1, N, "seq", H],  # every other axis matches y, so -1 can only be the batch
+    ],
+)
+def test_identity_reshape_is_skipped(target):
+    _, y, viewed, out = _graph(target)
+    assert identity_reshape(y) is viewed
+    assert bsd_consumer(y, N * H) is out
+
+
+@pytest.mark.parametrize(
+    "target",
+    [
+        ["seq", -1, "batch", H],  # batch and seq swapped
+        ["batch", -1, "seq", 8],  # a different head size
+        ["batch", 2 * N, -1, H // 2],  # heads split differently
+        ["batch", -1, -1, H],  # ambiguous
+        ["batch", N, "seq", H // 2, -1],  # another rank
+    ],
+)
+def test_other_reshapes_are_not_skipped(target):
+    _, y, _, _ = _graph(target)
+    assert identity_reshape(y) is None
+    assert bsd_consumer(y, N * H) is None
+
+
+def test_allowzero_zero_is_not_a_copy():
+    _, y, _, _ = _graph([0, -1, 0, H], allowzero=1)
+    assert identity_reshape(y) is None
