@@ -79,11 +79,21 @@ def _keeps_axis(requested, actual, allowzero: int) -> bool:
 
 
 def to_bsd(builder: Builder, value: ir.Value, heads: int, head_size: int) -> ir.Value:
+    """(B, S, N*H) of a (B, N, S, H) value with N = heads, H = head_size (the caller's fact).
+
+    Reuses the exporter's BSD source when there is one; when value is a [0, 2, 1, 3]
+    Transpose of some y (e.g. of a per-head q/k norm on (B, S, N, H)), transposing back is
+    y itself (that perm is its own inverse), so only a Reshape of y is added; otherwise a
+    Transpose and a Reshape are.
+    """
     source = bnsh_source(value, heads, head_size)
     if source is not None:
         return source
-    t = builder.op("Transpose", [value], {"perm": _BNSH})
     shape = builder.const("bsd_shape", np.array([0, 0, heads * head_size], dtype=np.int64))
+    transpose = producer(value, "Transpose")
+    if transpose is not None and list(attr(transpose, "perm", [])) == _BNSH:
+        return builder.op("Reshape", [transpose.inputs[0], shape])
+    t = builder.op("Transpose", [value], {"perm": _BNSH})
     return builder.op("Reshape", [t, shape])
 
 

@@ -78,3 +78,39 @@ def test_other_reshapes_are_not_skipped(target):
 def test_allowzero_zero_is_not_a_copy():
     _, y, _, _ = _graph([0, -1, 0, H], allowzero=1)
     assert identity_reshape(y) is None
+
+
+def _run(graph: ir.Graph, feeds):
+    import onnxruntime as ort
+
+    model = ir.Model(graph, ir_version=10)
+    proto = ir.to_proto(model)
+    sess = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
+    return sess.run(None, feeds)
+
+
+@pytest.mark.parametrize("through_transpose", [True, False])
+def test_to_bsd_equals_transpose_reshape(through_transpose):
+    """to_bsd of a (B, N, S, H) value is its (B, S, N*H) view; a value that is itself a
+    [0, 2, 1, 3] Transpose is undone by a single Reshape of the transpose's input."""
+    from epfuse.patterns._layout import to_bsd
+
+    x = ir.Value(name="x", shape=ir.Shape([2, 3, N, H]), type=ir.TensorType(ir.DataType.FLOAT))
+    anchor = ir.node("Identity", [x])
+    graph = ir.Graph([x], [], nodes=[anchor], opset_imports={"": 23})
+    b = Builder(graph, anchor, "t")
+    normed = b.op("Neg", [x])  # stands for a per-head norm on (B, S, N, H)
+    if through_transpose:
+        value = b.op("Transpose", [normed], {"perm": [0, 2, 1, 3]})
+    else:
+        value = b.op("Neg", [b.op("Transpose", [normed], {"perm": [0, 2, 1, 3]})])
+    before = len(b.nodes)
+    bsd = to_bsd(b, value, N, H)
+    added = [n.op_type for n in b.nodes[before:]]
+    assert added == (["Reshape"] if through_transpose else ["Transpose", "Reshape"])
+    graph.outputs.extend([bsd])
+    graph.remove(anchor, safe=True)
+    data = np.random.default_rng(0).standard_normal((2, 3, N, H)).astype(np.float32)
+    (got,) = _run(graph, {"x": data})
+    expected = -data if through_transpose else data
+    np.testing.assert_array_equal(got, expected.reshape(2, 3, N * H))
