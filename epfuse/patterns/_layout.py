@@ -93,8 +93,38 @@ def to_bsd(builder: Builder, value: ir.Value, heads: int, head_size: int) -> ir.
     transpose = producer(value, "Transpose")
     if transpose is not None and list(attr(transpose, "perm", [])) == _BNSH:
         return builder.op("Reshape", [transpose.inputs[0], shape])
+    norm = _last_axis_norm(value)
+    if norm is not None:
+        # A norm over the last axis commutes with the transpose (which keeps that axis):
+        # norm the (B, S, N, H) input of the transpose instead, then view it as BSD.
+        moved = builder.op(
+            norm.op_type,
+            [norm.inputs[0].producer().inputs[0], *norm.inputs[1:]],
+            {name: a.value for name, a in norm.attributes.items()},
+        )
+        return builder.op("Reshape", [moved, shape])
     t = builder.op("Transpose", [value], {"perm": _BNSH})
     return builder.op("Reshape", [t, shape])
+
+
+_LAST_AXIS_NORMS = ("RMSNormalization", "LayerNormalization")
+
+
+def _last_axis_norm(value: ir.Value) -> ir.Node | None:
+    """The norm node when ``value = Norm(Transpose(y, [0, 2, 1, 3]), scale[, bias])`` over
+    the last axis only (rank 4, ``axis`` -1 or 3, scale/bias at most rank 1, one output)."""
+    node = value.producer()
+    if node is None or node.op_type not in _LAST_AXIS_NORMS or node.domain not in ("", "ai.onnx"):
+        return None
+    if attr(node, "axis", -1) not in (-1, 3) or len(node.outputs) != 1:
+        return None
+    transpose = producer(node.inputs[0], "Transpose")
+    if transpose is None or list(attr(transpose, "perm", [])) != _BNSH:
+        return None
+    for operand in node.inputs[1:]:
+        if operand is not None and (operand.shape is None or len(operand.shape) > 1):
+            return None
+    return node
 
 
 def identity_reshape(y: ir.Value) -> ir.Value | None:

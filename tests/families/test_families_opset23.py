@@ -175,6 +175,11 @@ def test_every_layer_becomes_gqa_as_expected(family):
         # the rotation moved into GQA entirely: no run-time cos/sin remain
         for op in ("RotaryEmbedding", "Cos", "Sin"):
             assert _ops(optimized, op) == 0, op
+        # and GQA reads Q/K/V in the exporter's (B, S, N*H) layout (through q/k norms too):
+        # no Transpose is left on activations (a tied lm_head weight may keep its own)
+        weights = {i.name for i in optimized.graph.initializer}
+        moved = [n.input[0] for n in optimized.graph.node if n.op_type == "Transpose"]
+        assert all(name in weights for name in moved), moved
 
 
 @FAMILY_PARAMS

@@ -114,3 +114,46 @@ def test_to_bsd_equals_transpose_reshape(through_transpose):
     (got,) = _run(graph, {"x": data})
     expected = -data if through_transpose else data
     np.testing.assert_array_equal(got, expected.reshape(2, 3, N * H))
+
+
+@pytest.mark.parametrize(
+    ("norm", "axis", "moved"),
+    [
+        ("RMSNormalization", -1, True),
+        ("LayerNormalization", 3, True),
+        ("RMSNormalization", 2, False),
+    ],
+)
+def test_to_bsd_moves_a_last_axis_norm_before_the_transpose(norm, axis, moved):
+    """q/k norm on (B, N, S, H) after the transpose (Gemma-3): normalizing the last axis
+    commutes with [0, 2, 1, 3], so the norm runs on the untransposed input and no Transpose
+    is added. A norm over more axes does not commute and gets the plain Transpose+Reshape."""
+    from epfuse.patterns._layout import to_bsd
+
+    x = ir.Value(name="x", shape=ir.Shape([2, 3, N, H]), type=ir.TensorType(ir.DataType.FLOAT))
+    anchor = ir.node("Identity", [x])
+    graph = ir.Graph([x], [], nodes=[anchor], opset_imports={"": 23})
+    b = Builder(graph, anchor, "t")
+    rng = np.random.default_rng(1)
+    scale_shape = (H,) if axis in (-1, 3) else (3, H)  # axis 2 of (B, N, S, H): (S, H)
+    inputs = [b.op("Transpose", [x], {"perm": [0, 2, 1, 3]})]
+    inputs.append(b.const("scale", (1 + 0.1 * rng.standard_normal(scale_shape)).astype("f4")))
+    if norm == "LayerNormalization":
+        inputs.append(b.const("bias", (0.1 * rng.standard_normal(scale_shape)).astype("f4")))
+    value = b.op(norm, inputs, {"axis": axis, "epsilon": 1e-5})
+    reference = b.op(
+        "Reshape",
+        [
+            b.op("Transpose", [value], {"perm": [0, 2, 1, 3]}),
+            b.const("s", np.array([0, 0, N * H], dtype=np.int64)),
+        ],
+    )
+    before = len(b.nodes)
+    bsd = to_bsd(b, value, N, H)
+    added = [n.op_type for n in b.nodes[before:]]
+    assert added == ([norm, "Reshape"] if moved else ["Transpose", "Reshape"])
+    graph.outputs.extend([bsd, reference])
+    graph.remove(anchor, safe=True)
+    data = rng.standard_normal((2, 3, N, H)).astype(np.float32)
+    got, ref = _run(graph, {"x": data})
+    np.testing.assert_allclose(got, ref, atol=1e-6, rtol=1e-6)
