@@ -174,8 +174,9 @@ def bsd_consumer(y: ir.Value, width: int) -> ir.Value | None:
     if target is None or len(target) != 3 or target[2] not in (width, -1):
         return None
     allowzero = attr(reshape, "allowzero", 0)
-    for got in target[:2]:
-        if isinstance(got, int) and not (got == 0 and not allowzero):
+    bsnh = transpose.outputs[0]
+    for axis in (0, 1):  # batch and sequence must stay where they are (not swapped)
+        if not _keeps_axis(target[axis], dim(bsnh, axis), allowzero):
             return None
     return reshape.outputs[0]
 

@@ -157,3 +157,26 @@ def test_to_bsd_moves_a_last_axis_norm_before_the_transpose(norm, axis, moved):
     data = rng.standard_normal((2, 3, N, H)).astype(np.float32)
     got, ref = _run(graph, {"x": data})
     np.testing.assert_allclose(got, ref, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("swap", [True, False])
+def test_bsd_consumer_rejects_swapped_batch_and_sequence(swap):
+    """The final Reshape to (B, S, N*H) must keep batch and sequence in place: a target
+    built as (seq, batch, -1) has the right size but is another tensor."""
+    _, y, _, _ = _graph(["batch", N, "seq", H], then_bsd=False)
+    graph = y.graph
+    anchor = ir.node("Identity", [y])
+    graph.append(anchor)
+    b = Builder(graph, anchor, "u")
+    ids = graph.inputs[1]
+    seq = b.op("Shape", [ids], {"start": 1, "end": 2})
+    batch = b.op("Shape", [ids], {"start": 0, "end": 1})
+    width = b.const("w", np.array([N * H], dtype=np.int64))
+    y2 = graph.outputs[0]  # the identity view of y
+    t = b.op("Transpose", [y2], {"perm": [0, 2, 1, 3]})
+    t.shape = ir.Shape(["batch", "seq", N, H])
+    parts = [seq, batch, width] if swap else [batch, seq, width]
+    out = b.op("Reshape", [t, b.op("Concat", parts, {"axis": 0})])
+    graph.outputs[0] = out
+    graph.remove(anchor, safe=True)
+    assert bsd_consumer(y, N * H) is (None if swap else out)
