@@ -3,15 +3,19 @@
 
 from .base import Kept, OptimizeOptions, RewriteContext, Rewritten, Rule, Stage
 from .canonicalize.kv_cache import KVConcatToAttentionPast
+from .canonicalize.partial_rotary import PartialRotaryToRotaryDim
 from .canonicalize.repeat_kv import RemoveRepeatKV
 from .canonicalize.rope_caches import RopeCosSinToCaches
 from .canonicalize.rotate_half import RotateHalfToRotaryEmbedding
+from .canonicalize.softmax_attention import SoftmaxAttentionToAttention
 from .lower.gqa import AttentionToGQA
 from .lower.mrope import MRopeLowering
 
 RULES: tuple[Rule, ...] = (
+    SoftmaxAttentionToAttention(),
     RotateHalfToRotaryEmbedding(),
     RopeCosSinToCaches(),
+    PartialRotaryToRotaryDim(),
     RemoveRepeatKV(),
     KVConcatToAttentionPast(),
     MRopeLowering(),

@@ -200,9 +200,11 @@ class AttentionToGQA(Rule):
             replace_value(y, out)
         elif (reshaped := bsd_consumer(y, num_heads * head_size)) is not None:
             replace_value(reshaped, out)
-            reshape_node = reshaped.producer()
-            transpose_node = reshape_node.inputs[0].producer()
-            ctx.graph.remove([reshape_node, transpose_node], safe=True)
+            layout_nodes, value = [], reshaped
+            while value is not y:  # Reshape <- Transpose [<- identity Reshape] <- y
+                layout_nodes.append(value.producer())
+                value = layout_nodes[-1].inputs[0]
+            ctx.graph.remove(layout_nodes, safe=True)
         else:
             replace_value(y, from_bsd(builder, out, num_heads, head_size))
         for index, new in ((1, present_k), (2, present_v)):
@@ -233,7 +235,9 @@ class AttentionToGQA(Rule):
         if any(n is not None for n in mrotary):
             return _RopePlan(False, None, None, _MROPE_REASON.format(how="MRotaryEmbedding"))
         if q_node is None and k_node is None:
-            return _RopePlan(False, None, None, _arithmetic_rope_reason(q))
+            # Rotation, if any, is in other ops (e.g. a decomposed rotate_half) and stays.
+            reason = _arithmetic_rope_reason(q) or "Q and K are not rotated by a RotaryEmbedding"
+            return _RopePlan(False, None, None, reason)
         if q_node is None or k_node is None:
             return _RopePlan(False, None, None, "only one of Q and K is rotated")
         rq, rk = _Rope(q_node), _Rope(k_node)

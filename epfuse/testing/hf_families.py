@@ -1,0 +1,151 @@
+"""Tiny configurations of Hugging Face decoder families, for real-export tests.
+
+Every config is built locally (no hub access): hidden 64, 4 query heads, 2 KV heads, vocab
+256, 2 layers (more where a family needs both sliding and global layers). Each family exists
+to exercise one export idiom the optimizer must handle: rope scaling (llama3, linear, yarn),
+projection biases, sliding windows, softcapping, q/k norms, fused QKV projections, partial
+rotary. ``window`` is the sliding window of the family (None when it has none), so tests can
+pick prompt and past lengths beyond it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+SLIDING_WINDOW = 4
+
+_COMMON: dict[str, Any] = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    name: str
+    make_config: Callable[[], Any]
+    window: int | None = None
+    """The sliding window of the family's local layers, if any."""
+    description: str = ""
+
+
+def _llama(**rope: Any):
+    from transformers import LlamaConfig
+
+    params = {"rope_theta": 10000.0, **rope}
+    return LlamaConfig(**_COMMON, head_dim=16, rope_parameters=params)
+
+
+def _llama3():
+    return _llama(
+        rope_type="llama3",
+        factor=8.0,
+        low_freq_factor=1.0,
+        high_freq_factor=4.0,
+        original_max_position_embeddings=64,
+    )
+
+
+def _llama_linear():
+    return _llama(rope_type="linear", factor=2.0)
+
+
+def _llama_yarn():
+    return _llama(rope_type="yarn", factor=4.0, original_max_position_embeddings=128)
+
+
+def _qwen2():
+    from transformers import Qwen2Config
+
+    return Qwen2Config(**_COMMON, rope_parameters={"rope_type": "default", "rope_theta": 1e4})
+
+
+def _mistral():
+    from transformers import MistralConfig
+
+    return MistralConfig(**_COMMON, head_dim=16, sliding_window=SLIDING_WINDOW)
+
+
+def _gemma2():
+    from transformers import Gemma2Config
+
+    return Gemma2Config(
+        **_COMMON,
+        head_dim=16,
+        sliding_window=SLIDING_WINDOW,
+        attn_logit_softcapping=5.0,
+        final_logit_softcapping=10.0,
+        query_pre_attn_scalar=24,
+    )
+
+
+def _qwen3():
+    from transformers import Qwen3Config
+
+    return Qwen3Config(**_COMMON, head_dim=16)
+
+
+def _phi3():
+    from transformers import Phi3Config
+
+    return Phi3Config(**_COMMON, pad_token_id=0)
+
+
+def _stablelm():
+    from transformers import StableLmConfig
+
+    params = {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}
+    # StableLM derives head_dim from hidden_size: 128 / 4 heads = 32, so that the rotated half
+    # (16 channels, cos width 8) is one the CPU's fused rotary accepts.
+    return StableLmConfig(**{**_COMMON, "hidden_size": 128}, rope_parameters=params)
+
+
+def _glm():
+    from transformers import GlmConfig
+
+    params = {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}
+    return GlmConfig(**_COMMON, head_dim=32, rope_parameters=params, pad_token_id=0)
+
+
+def _gemma3():
+    from transformers import Gemma3TextConfig
+
+    return Gemma3TextConfig(
+        **{**_COMMON, "num_hidden_layers": 4},
+        head_dim=16,
+        sliding_window=SLIDING_WINDOW,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+        query_pre_attn_scalar=16,
+    )
+
+
+def _olmo2():
+    from transformers import Olmo2Config
+
+    return Olmo2Config(**_COMMON)
+
+
+FAMILIES: dict[str, Family] = {
+    f.name: f
+    for f in (
+        Family("llama3", _llama3, description="Llama, rope_type llama3"),
+        Family("llama-linear", _llama_linear, description="Llama, rope_type linear"),
+        Family("llama-yarn", _llama_yarn, description="Llama, rope_type yarn (attention factor)"),
+        Family("qwen2", _qwen2, description="q/k/v projection biases"),
+        Family("mistral", _mistral, SLIDING_WINDOW, "sliding window on every layer"),
+        Family("gemma2", _gemma2, SLIDING_WINDOW, "softcaps, alternating sliding layers"),
+        Family("qwen3", _qwen3, description="per-head q/k RMSNorm before RoPE"),
+        Family("phi3", _phi3, description="fused qkv_proj split into Q, K, V"),
+        Family("stablelm", _stablelm, description="partial rotary, LayerNorm, biases"),
+        Family("gemma3", _gemma3, SLIDING_WINDOW, "q/k norm, local RoPE base, sliding layers"),
+        Family("glm", _glm, description="partial interleaved rotary (half of head_dim 32)"),
+        Family("olmo2", _olmo2, description="q/k RMSNorm over all heads before reshape"),
+    )
+}
