@@ -67,6 +67,16 @@ class _Unprovable(Exception):
     pass
 
 
+def _float32_input(graph: ir.Graph, value: ir.Value) -> ir.Value:
+    """Feed a bfloat16 input as float32 (numpy has no bfloat16) and cast it inside."""
+    fed = ir.Value(name=value.name, type=ir.TensorType(ir.DataType.FLOAT), shape=value.shape)
+    value.name = f"{value.name}_bf16"
+    cast = ir.node("Cast", [fed], {"to": ir.DataType.BFLOAT16}, name=f"{fed.name}_to_bf16")
+    value.replace_all_uses_with(cast.outputs[0])
+    graph.insert_before(graph.node(0), cast)
+    return fed
+
+
 class SubgraphEvaluator:
     """Compile the slice of ``graph`` between its inputs and ``outputs`` once, run it often."""
 
@@ -80,9 +90,20 @@ class SubgraphEvaluator:
         sub = ir.convenience.extract(
             graph, list(graph.inputs if inputs is None else inputs), list(outputs)
         )
-        used = [v for v in sub.inputs if v.uses()]
+        used = [
+            _float32_input(sub, v) if v.dtype == ir.DataType.BFLOAT16 else v
+            for v in sub.inputs
+            if v.uses()
+        ]
         sub.inputs.clear()
         sub.inputs.extend(used)
+        for i, out in enumerate(list(sub.outputs)):
+            if out.dtype == ir.DataType.BFLOAT16:
+                # numpy has no bfloat16: hand results back as float32 (exact widening).
+                cast = ir.node("Cast", [out], {"to": ir.DataType.FLOAT}, name=f"epfuse_f32_{i}")
+                cast.outputs[0].name = f"{out.name}_as_f32"
+                sub.append(cast)
+                sub.outputs[i] = cast.outputs[0]
         self.input_names = [v.name for v in used]
         opsets = dict(graph.opset_imports)
         model = ir.Model(sub, ir_version=10)

@@ -149,3 +149,16 @@ def test_report_is_stored_in_metadata():
     report = epfuse.read_report(optimized)
     assert report is not None and report.ep == "cpu" and report.fused_layers == 2
     assert any("right-padded" in a for a in report.assumptions)
+
+
+@pytest.mark.parametrize("style", ["torch23", "mobius"])
+def test_bf16_for_cuda_fuses(style):
+    """bf16 graphs are analysed through float32 feeds (numpy has no bfloat16)."""
+    original = build_decoder(DecoderConfig(style=style, dtype="bfloat16"))
+    optimized, report = epfuse.optimize_with_report(original, "cuda")
+    assert report.fused_layers == 2
+    assert all(_attrs(n)["do_rotary"] == 1 for n in _gqa_nodes(optimized))
+    cos = next(
+        i for i in optimized.graph.initializer if i.name == _gqa_nodes(optimized)[0].input[7]
+    )
+    assert cos.data_type == onnx.TensorProto.BFLOAT16
