@@ -6,12 +6,24 @@ from .canonicalize.kv_cache import KVConcatToAttentionPast
 from .canonicalize.repeat_kv import RemoveRepeatKV
 from .canonicalize.rope_caches import RopeCosSinToCaches
 from .lower.gqa import AttentionToGQA
+from .lower.ms_rotary import OnnxRotaryToContrib
+from .lower.norms import (
+    RMSNormToSimplified,
+    SimplifiedToRMSNorm,
+    SkipLayerNormFusion,
+    SkipRMSNormFusion,
+)
 
 RULES: tuple[Rule, ...] = (
     RopeCosSinToCaches(),
     RemoveRepeatKV(),
     KVConcatToAttentionPast(),
     AttentionToGQA(),
+    SkipRMSNormFusion(),
+    SkipLayerNormFusion(),
+    RMSNormToSimplified(),
+    SimplifiedToRMSNorm(),
+    OnnxRotaryToContrib(),
 )
 
 __all__ = [
