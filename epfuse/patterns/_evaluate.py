@@ -83,7 +83,27 @@ class SubgraphEvaluator:
         used = [v for v in sub.inputs if v.uses()]
         sub.inputs.clear()
         sub.inputs.extend(used)
-        self.input_names = [v.name for v in used]
+        # ORT's Python API cannot feed bfloat16 arrays: bf16 inputs are fed as fp32 (probe
+        # values are bf16-exact) and cast inside.
+        for index, value in enumerate(list(sub.inputs)):
+            if value.dtype == ir.DataType.BFLOAT16:
+                wide = ir.Value(
+                    name=value.name, shape=value.shape, type=ir.TensorType(ir.DataType.FLOAT)
+                )
+                value.name = f"{wide.name}__bf16"
+                cast = ir.node("Cast", [wide], {"to": ir.DataType.BFLOAT16})
+                value.replace_all_uses_with(cast.outputs[0])
+                sub.insert_before(sub.node(0), cast) if len(sub) else sub.append(cast)
+                sub.inputs[index] = wide
+        # ORT's Python API cannot return bfloat16 arrays: widen such outputs (exactly) to fp32.
+        for index, out in enumerate(list(sub.outputs)):
+            if out.dtype == ir.DataType.BFLOAT16:
+                cast = ir.node("Cast", [out], {"to": ir.DataType.FLOAT})
+                cast.outputs[0].name = f"{out.name}__fp32"
+                cast.outputs[0].type = ir.TensorType(ir.DataType.FLOAT)
+                sub.append(cast)
+                sub.outputs[index] = cast.outputs[0]
+        self.input_names = [v.name for v in sub.inputs]
         opsets = dict(graph.opset_imports)
         model = ir.Model(sub, ir_version=10)
         model.opset_imports.update(opsets)

@@ -87,9 +87,17 @@ def _heads(node: ir.Node, q: ir.Value, k: ir.Value, past_k: ir.Value | None):
     return qh, kvh, hs, 4
 
 
+_SHAPE_KEEPING = (
+    "RotaryEmbedding",
+    "Transpose",
+    "RMSNormalization",  # Qwen3 per-head q/k norm: keeps the shape
+    "SimplifiedLayerNormalization",
+)
+
+
 def _heads_from_producer(q: ir.Value, head_size: int | None) -> int | None:
     node = q.producer()
-    while node is not None and node.op_type in ("RotaryEmbedding", "Transpose"):
+    while node is not None and node.op_type in _SHAPE_KEEPING:
         node = node.inputs[0].producer()
     if node is None or node.op_type != "Reshape" or head_size is None:
         return None

@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
-from .._graph import attr, ensure_opset, input_at, replace_value
-from .._layout import bnsh_source, last_dim
+from .._graph import attr, dim, ensure_opset, input_at, replace_value, shape_vector
+from .._layout import last_dim
 from ..base import Kept, RewriteContext, Rewritten, Rule, Stage
 
 
@@ -99,14 +99,34 @@ class OnnxRotaryToContrib(Rule):
 
 
 def _heads_of_bnsh(x: ir.Value, head_size: int) -> int | None:
-    """Heads of ``x = Transpose(Reshape(y, [B, S, -1|N, H]))`` with y (B, S, N*H), proven by
-    ``bnsh_source``; None when the head axis cannot be established statically."""
+    """Heads of ``x = Transpose(norm*(Reshape(y, [B, S, -1|N, H])), [0, 2, 1, 3])`` with y
+    (B, S, N*H); ``norm*`` are shape-keeping norms (Qwen3's per-head q/k norm). None when the
+    head axis cannot be established statically."""
     transpose = x.producer()
-    reshape = transpose.inputs[0].producer() if transpose is not None else None
-    if reshape is None or reshape.op_type != "Reshape":
+    if transpose is None or transpose.op_type != "Transpose":
         return None
-    width = last_dim(reshape.inputs[0])
-    if width is None or width % head_size:
+    if list(attr(transpose, "perm", [])) != [0, 2, 1, 3]:
+        return None
+    node = transpose.inputs[0].producer()
+    while node is not None and node.op_type in _SHAPE_KEEPING_NORMS:
+        node = node.inputs[0].producer()
+    if node is None or node.op_type != "Reshape":
+        return None
+    y = node.inputs[0]
+    width = last_dim(y)
+    target = shape_vector(node.inputs[1])
+    if width is None or width % head_size or target is None or len(target) != 4:
         return None
     heads = width // head_size
-    return heads if bnsh_source(x, heads, head_size) is not None else None
+    if target[3] != head_size or target[2] not in (heads, -1):
+        return None
+    allowzero = attr(node, "allowzero", 0)
+    for axis in (0, 1):
+        got = target[axis]
+        if got == dim(y, axis) or (got == 0 and not allowzero):
+            continue
+        return None
+    return heads
+
+
+_SHAPE_KEEPING_NORMS = ("RMSNormalization", "SimplifiedLayerNormalization")
