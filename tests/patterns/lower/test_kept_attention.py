@@ -1,0 +1,59 @@
+"""Where no op the EP runs can express a layer, the standard Attention stays exactly as it was
+(softcap attribute, mask input) and the report says the layer does not run on the EP."""
+
+from __future__ import annotations
+
+import onnx
+import pytest
+from model_builder import DecoderConfig, build_decoder
+
+import epfuse
+from epfuse.optimizer.verify import assert_equivalent
+
+
+def _attention(model: onnx.ModelProto):
+    return [n for n in model.graph.node if n.op_type == "Attention"]
+
+
+def _attrs(node):
+    return {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+
+
+@pytest.mark.parametrize(
+    ("ep", "dtype", "why"),
+    [
+        ("trt-rtx", "float16", "trt-rtx's Attention does not apply softcap 5"),
+        ("dml", "float16", "dml has no ONNX Attention for float16"),
+        ("webgpu", "float32", "webgpu has no ONNX Attention for float32"),
+        ("qnn", "float32", "qnn has no ONNX Attention for float32"),
+    ],
+)
+def test_softcap_layer_kept_exactly_and_reported(ep, dtype, why):
+    cfg = DecoderConfig(style="mobius", softcap=5.0, sliding_window=4, dtype=dtype)
+    original = build_decoder(cfg)
+    optimized, report = epfuse.optimize_with_report(original, ep)
+    kept = _attention(optimized)
+    assert len(kept) == cfg.layers
+    before = {n.name: n for n in _attention(original)}
+    for node in kept:
+        src = before[node.name]
+        assert _attrs(node) == _attrs(src)  # softcap, is_causal, heads, scale untouched
+        assert list(node.input)[3] == list(src.input)[3]  # the exact mask input
+    assert not any(n.op_type == "GroupQueryAttention" for n in optimized.graph.node)
+    for layer in report.layers:
+        assert not layer.fused and not layer.runs_on_ep
+        assert any(why in r for r in layer.reasons), layer.reasons
+        assert any("does not apply softcap" in r for r in layer.reasons)
+    assert_equivalent(original, optimized, prompt_len=9, decode_past_len=7, chunk_past_len=6)
+
+
+def test_cpu_softcap_layer_runs_on_ep():
+    cfg = DecoderConfig(style="mobius", softcap=5.0)
+    _, report = epfuse.optimize_with_report(build_decoder(cfg), "cpu")
+    assert all(layer.fused and layer.runs_on_ep for layer in report.layers)
+
+
+def test_default_keeps_softcap_attention_and_runs_it():
+    cfg = DecoderConfig(style="mobius", softcap=5.0)
+    _, report = epfuse.optimize_with_report(build_decoder(cfg), "default")
+    assert all(not layer.fused and layer.runs_on_ep for layer in report.layers)
