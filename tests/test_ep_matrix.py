@@ -142,6 +142,6 @@ def test_matrix_summary():
     assert paths[("glm-mobius", "dml", "float16")].startswith("GQA(rot0) + SimplifiedLayerNorm")
     assert "ms-RoPE" in paths[("glm-mobius", "dml", "float16")]
     # Gemma-2 on CPU: softcap and window inside GQA with fused rotary.
-    assert "GQA(rot1,softcap,window)" in paths[("gemma2-mobius", "cpu", "float32")]
+    assert "GQA(rot1,packed,softcap,window)" in paths[("gemma2-mobius", "cpu", "float32")]
     # TRT-RTX: neither its GQA nor its Attention applies softcap: Attention(softcap) kept.
     assert "Attention(softcap)" in paths[("gemma2-mobius", "trt-rtx", "float16")]

@@ -13,12 +13,14 @@ from .lower.norms import (
     SkipLayerNormFusion,
     SkipRMSNormFusion,
 )
+from .lower.pack_qkv import PackQKV
 
 RULES: tuple[Rule, ...] = (
     RopeCosSinToCaches(),
     RemoveRepeatKV(),
     KVConcatToAttentionPast(),
     AttentionToGQA(),
+    PackQKV(),
     SkipRMSNormFusion(),
     SkipLayerNormFusion(),
     RMSNormToSimplified(),
