@@ -143,5 +143,10 @@ def test_matrix_summary():
     assert "ms-RoPE" in paths[("glm-mobius", "dml", "float16")]
     # Gemma-2 on CPU: softcap and window inside GQA with fused rotary.
     assert "GQA(rot1,packed,softcap,window)" in paths[("gemma2-mobius", "cpu", "float32")]
+    # Qwen3 q/k norm inside GQA on CUDA half (then packable); kept ahead of GQA on WebGPU,
+    # whose rotation must stay outside GQA, between the norm and the attention.
+    assert "GQA(rot1,packed,qknorm)" in paths[("qwen3-mobius", "cuda", "float16")]
+    assert "GQA(rot1,packed,qknorm)" in paths[("qwen3-torch23", "cuda", "bfloat16")]
+    assert "qknorm" not in paths[("qwen3-mobius", "webgpu", "float16")]
     # TRT-RTX: neither its GQA nor its Attention applies softcap: Attention(softcap) kept.
     assert "Attention(softcap)" in paths[("gemma2-mobius", "trt-rtx", "float16")]

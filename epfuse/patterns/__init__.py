@@ -14,12 +14,14 @@ from .lower.norms import (
     SkipRMSNormFusion,
 )
 from .lower.pack_qkv import PackQKV
+from .lower.qk_norm import QKNormIntoGQA
 
 RULES: tuple[Rule, ...] = (
     RopeCosSinToCaches(),
     RemoveRepeatKV(),
     KVConcatToAttentionPast(),
     AttentionToGQA(),
+    QKNormIntoGQA(),
     PackQKV(),
     SkipRMSNormFusion(),
     SkipLayerNormFusion(),

@@ -24,7 +24,7 @@ from .._graph import attr, input_at, producer
 from ..base import Kept, RewriteContext, Rewritten, Rule, Stage
 
 
-def _dead(node: ir.Node, depth: int = 4) -> bool:
+def _dead(node: ir.Node, depth: int = 8) -> bool:
     """Nothing live reads ``node`` (rewrites leave dead nodes until the final cleanup, e.g.
     the RotaryEmbedding a fused GQA replaced)."""
     if depth == 0:
