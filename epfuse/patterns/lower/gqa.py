@@ -155,6 +155,9 @@ class AttentionToGQA(Rule):
         scale = float(scale) if scale is not None else 1.0 / math.sqrt(head_size)
 
         rope_plan = self._plan_rope(q, k, head_size, ctx)
+        if gqa_caps.requires_rotary_caches and not rope_plan.fused:
+            why = rope_plan.reason or "no RotaryEmbedding on Q and K to fuse"
+            return Kept(f"{ctx.ep.name}'s GroupQueryAttention wants cos/sin caches, but {why}")
         builder = Builder(ctx.graph, node, f"epfuse/{node.name or 'attention'}")
         if rope_plan.fused:
             q_in, k_in = rope_plan.q.source, rope_plan.k.source

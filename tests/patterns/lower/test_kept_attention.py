@@ -57,3 +57,26 @@ def test_default_keeps_softcap_attention_and_runs_it():
     cfg = DecoderConfig(style="mobius", softcap=5.0)
     _, report = epfuse.optimize_with_report(build_decoder(cfg), "default")
     assert all(not layer.fused and layer.runs_on_ep for layer in report.layers)
+
+
+def test_trt_rtx_keeps_attention_when_rotary_cannot_be_fused():
+    """TRT-RTX's GQA wants cos/sin present (record: requires_rotary_caches). When the rotation
+    cannot move into GQA, the layer keeps Attention rather than becoming a GQA without caches
+    (found by the conformance checker on a real fp16 Qwen3 export, whose rotation is
+    decomposed)."""
+    cfg = DecoderConfig(style="mobius", dtype="float16")
+    model = build_decoder(cfg)
+    # Make Q and K rotated differently (q keeps partial rotary attrs of its own): the planner
+    # refuses to fuse, so there is nothing to put in cos/sin.
+    for node in model.graph.node:
+        if node.op_type == "RotaryEmbedding" and node.output[0].startswith("q_rot"):
+            for a in node.attribute:
+                if a.name == "interleaved":
+                    a.i = 1
+    optimized, report = epfuse.optimize_with_report(model, "trt-rtx")
+    assert not any(n.op_type == "GroupQueryAttention" for n in optimized.graph.node)
+    assert all(any("wants cos/sin caches" in r for r in layer.reasons) for layer in report.layers)
+    optimized_cpu = epfuse.optimize(model, "cpu")  # CPU has no such need: GQA(do_rotary=0)
+    gqa = [n for n in optimized_cpu.graph.node if n.op_type == "GroupQueryAttention"]
+    assert len(gqa) == cfg.layers
+    assert_equivalent(model, optimized, prompt_len=9)
