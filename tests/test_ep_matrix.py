@@ -150,3 +150,42 @@ def test_matrix_summary():
     assert "qknorm" not in paths[("qwen3-mobius", "webgpu", "float16")]
     # TRT-RTX: neither its GQA nor its Attention applies softcap: Attention(softcap) kept.
     assert "Attention(softcap)" in paths[("gemma2-mobius", "trt-rtx", "float16")]
+
+
+@pytest.fixture(scope="module")
+def qwen3_export(tmp_path_factory) -> onnx.ModelProto:
+    from transformers import Qwen3Config
+
+    from epfuse.testing.hf_export import export_hf_decoder
+
+    config = Qwen3Config(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=128,
+        max_position_embeddings=256,
+    )
+    path = export_hf_decoder(config, tmp_path_factory.mktemp("qwen3") / "qwen3.onnx", opset=23)
+    return onnx.load(path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ep", EPS)
+def test_real_qwen3_export_per_ep(qwen3_export, ep):
+    """A real torch.onnx Qwen3 export (q/k norm on the head axis) through every EP at fp32."""
+    optimized, report = epfuse.optimize_with_report(qwen3_export, ep)
+    conformance = check(optimized, epfuse.get_ep(ep), "float32", original=qwen3_export)
+    assert not conformance.violations, conformance.violations
+    before, after = features(qwen3_export, 16), features(optimized, 16)
+    assert before.head_norms == after.head_norms == 4
+    assert before.rotations == after.rotations
+    if ep in ("cpu", "dml", "webgpu"):
+        assert report.fused_layers == 2
+    if ep == "dml":
+        assert all(
+            n.domain == "com.microsoft" for n in optimized.graph.node if "Rotary" in n.op_type
+        )
+    assert_equivalent(qwen3_export, optimized, prompt_len=9, decode_past_len=7)
