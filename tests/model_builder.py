@@ -82,6 +82,8 @@ class DecoderConfig:
     positions: str = "1d"  # "1d" | "mrope" ((3, batch, seq) position_ids; mobius style only)
     mrope_section: tuple[int, int, int] | None = None  # (t, h, w), sum R/2; None = a default
     mrope_layout: str = "sectioned"  # "sectioned" (Qwen2/2.5-VL) | "interleaved" (Qwen3-VL)
+    qk_norm: bool = False  # Qwen3: RMSNormalization over head_dim on q and k before RoPE
+    qkv_bias: bool = False  # Qwen2: bias Add after the q/k/v projections
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -173,6 +175,16 @@ def decoder_weights(cfg: DecoderConfig) -> dict[str, np.ndarray]:
         w[f"{p}.mlp.down_proj.weight"] = linear(f, d)
     w["model.norm.weight"] = normal((d,), 0.1, mean=1.0)
     w["lm_head.weight"] = linear(d, cfg.vocab)
+    # Optional parts come last so that the weights above do not depend on them.
+    for i in range(cfg.layers):
+        p = f"model.layers.{i}.self_attn"
+        if cfg.qkv_bias:
+            w[f"{p}.q_proj.bias"] = normal((d,), 0.5)
+            w[f"{p}.k_proj.bias"] = normal((kvd,), 0.5)
+            w[f"{p}.v_proj.bias"] = normal((kvd,), 0.5)
+        if cfg.qk_norm:
+            w[f"{p}.q_norm.weight"] = normal((cfg.head_dim,), 0.3, mean=1.0)
+            w[f"{p}.k_norm.weight"] = normal((cfg.head_dim,), 0.3, mean=1.0)
     return w
 
 
@@ -390,8 +402,13 @@ def _build_torch23(b: _GraphBuilder, cfg: DecoderConfig) -> None:
 
     def project(h: str, weight: str, hint: str) -> str:
         y = b.op("MatMul", [h, weight], hint)
+        if cfg.qkv_bias:
+            y = b.op("Add", [y, weight.replace(".weight", ".bias")], f"{hint}_bias")
         bshd = shape("bshd", batch_1d, seq_1d, b.ints(-1), b.ints(hd))
         y = b.op("Reshape", [y, bshd], f"{hint}_bshd", allowzero=1)
+        if cfg.qk_norm and hint in ("q", "k"):
+            norm = weight.replace(f"{hint}_proj.weight", f"{hint}_norm.weight")
+            y = _rms_norm(b, y, norm, f"{hint}_norm")
         return b.op("Transpose", [y], f"{hint}_bnsh", perm=[0, 2, 1, 3])
 
     def rotate(t: str, num_heads: int, hint: str) -> str:
@@ -491,6 +508,19 @@ def _build_mobius(b: _GraphBuilder, cfg: DecoderConfig) -> None:
         q = b.op("MatMul", [h, f"{prefix}.self_attn.q_proj.weight"], "q")
         k = b.op("MatMul", [h, f"{prefix}.self_attn.k_proj.weight"], "k")
         v = b.op("MatMul", [h, f"{prefix}.self_attn.v_proj.weight"], "v")
+        if cfg.qkv_bias:
+            q = b.op("Add", [q, f"{prefix}.self_attn.q_proj.bias"], "q_bias")
+            k = b.op("Add", [k, f"{prefix}.self_attn.k_proj.bias"], "k_bias")
+            v = b.op("Add", [v, f"{prefix}.self_attn.v_proj.bias"], "v_bias")
+        if cfg.qk_norm:
+            # (B, S, N*H) -> (B, S, N, H) -> RMSNorm over H -> (B, S, N*H), as mobius emits it.
+            split = b.ints(0, 0, -1, cfg.head_dim)
+            merged = b.ints(0, 0, -1)
+            for name in ("q", "k"):
+                t = b.op("Reshape", [q if name == "q" else k, split], f"{name}_heads")
+                t = _rms_norm(b, t, f"{prefix}.self_attn.{name}_norm.weight", f"{name}_norm")
+                t = b.op("Reshape", [t, merged], f"{name}_normed")
+                q, k = (t, k) if name == "q" else (q, t)
         rope = {
             "interleaved": int(cfg.interleaved),
             "rotary_embedding_dim": cfg.rotary_dim or 0,

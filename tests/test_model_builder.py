@@ -32,6 +32,9 @@ VARIANTS = {
     "window": {"sliding_window": 3},  # shorter than the 7-token prompt
     "mha": {"kv_heads": 4},  # no repeat_kv in the torch23 graph
     "mqa_window_softcap": {"kv_heads": 1, "sliding_window": 4, "softcap": 3.0},
+    "qk_norm": {"qk_norm": True},
+    "qkv_bias": {"qkv_bias": True},
+    "qk_norm_bias_partial": {"qk_norm": True, "qkv_bias": True, "rotary_dim": 8},
 }
 
 PROMPT = np.array([[3, 17, 42, 99, 5, 64, 120], [7, 8, 9, 10, 11, 0, 0]], dtype=np.int64)
@@ -100,9 +103,16 @@ def reference_decoder(cfg: DecoderConfig, ids: np.ndarray):
     for layer in range(cfg.layers):
         p = f"model.layers.{layer}"
         h = _rms(x, w[f"{p}.input_layernorm.weight"])
-        q = (h @ w[f"{p}.self_attn.q_proj.weight"]).reshape(s, n, hd).transpose(1, 0, 2)
-        k = (h @ w[f"{p}.self_attn.k_proj.weight"]).reshape(s, kv, hd).transpose(1, 0, 2)
-        v = (h @ w[f"{p}.self_attn.v_proj.weight"]).reshape(s, kv, hd).transpose(1, 0, 2)
+        proj = {}
+        for name, heads in (("q", n), ("k", kv), ("v", kv)):
+            t = h @ w[f"{p}.self_attn.{name}_proj.weight"]
+            if cfg.qkv_bias:
+                t = t + w[f"{p}.self_attn.{name}_proj.bias"]
+            t = t.reshape(s, heads, hd)
+            if cfg.qk_norm and name != "v":
+                t = _rms(t, w[f"{p}.self_attn.{name}_norm.weight"])
+            proj[name] = t.transpose(1, 0, 2)
+        q, k, v = proj["q"], proj["k"], proj["v"]
         q, k = _rope(q, cfg), _rope(k, cfg)
         keys.append(k)
         values.append(v)

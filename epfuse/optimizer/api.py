@@ -52,6 +52,7 @@ def optimize_with_report(
     validate_output: bool = True,
     verify: bool = False,
     skip_layers: Iterable[int] = (),
+    probe: bool = False,
 ):
     """Optimize and return ``(optimized_model, report)``.
 
@@ -69,8 +70,18 @@ def optimize_with_report(
     again. If that still fails, all lowerings are rolled back; if even that fails (a broken
     canonicalization), :class:`epfuse.errors.VerificationError` is raised. The returned model
     always passed verification.
+
+    ``probe=True`` checks the EP's record against the installed ONNX Runtime first
+    (``epfuse.capabilities.probe``: schemas, and known-answer runs for an EP present in this
+    build) and trusts the probe where they disagree; the disagreements go into the report.
     """
     record = get_ep(ep)
+    probe_notes: list[str] = []
+    if probe:
+        from epfuse.capabilities.probe import cached_probe
+
+        record, probe_report = cached_probe(record)
+        probe_notes = [f"probe overrides the record: {m}" for m in probe_report.mismatches]
     if max_seq_len < 1:
         raise ValueError("max_seq_len must be positive")
     as_proto = isinstance(model, onnx.ModelProto)
@@ -93,6 +104,7 @@ def optimize_with_report(
         report = PassManager().run(work, record, dtype, options)
         if not report.layers:
             raise UnsupportedModelError("no attention found in the model (nothing to optimize)")
+        report.assumptions.extend(probe_notes)
         if validate_output:
             note = validate(work)
             if note:

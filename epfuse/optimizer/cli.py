@@ -3,7 +3,7 @@
     epfuse optimize [IN] [-o OUT] [--ep EP] [--report FILE.json] [--max-seq-len N] [--verify]
                     [--genai [--hf-config DIR]]
     epfuse verify ORIGINAL OPTIMIZED [--prompt-len N]
-    epfuse capabilities [--ep EP]
+    epfuse capabilities [--ep EP] [--probe]
 
 Every failure is one line on stderr and a non-zero exit: 1 for bad input or a model epfuse
 cannot handle, 2 for bad usage, 3 for an internal error (``--debug`` shows the traceback),
@@ -112,6 +112,12 @@ def _parser() -> argparse.ArgumentParser:
 
     caps = sub.add_parser("capabilities", help="print what each execution provider supports")
     caps.add_argument("--ep", help="only this execution provider")
+    caps.add_argument(
+        "--probe",
+        action="store_true",
+        help="check each record against the installed ONNX Runtime (schemas; known-answer "
+        "runs for EPs in this build) and print mismatches",
+    )
     caps.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
     caps.set_defaults(handler=_capabilities)
     return parser
@@ -286,6 +292,12 @@ def _capabilities(args: argparse.Namespace) -> int:
         print(
             f"\n{record.name}: {record.description}, {provider}" + (f". {notes}" if notes else "")
         )
+    if args.probe:
+        from epfuse.capabilities.probe import probe
+
+        print("\nprobe (installed onnxruntime):")
+        for record in records:
+            print(probe(record).summary())
     return 0
 
 

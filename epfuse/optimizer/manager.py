@@ -29,11 +29,18 @@ MAX_SWEEPS = 8
 SKIPPED_REASON = "excluded by skip_layers: no lowering applied"
 
 
+_ATTENTION_OPS = (("", "Attention"), ("com.microsoft", "GroupQueryAttention"))
+
+
 def _is_attention(node: ir.Node) -> bool:
-    return (node.domain, node.op_type) in (
-        ("", "Attention"),
-        ("com.microsoft", "GroupQueryAttention"),
-    )
+    return (node.domain, node.op_type) in _ATTENTION_OPS
+
+
+def _is_attention_anchor(anchor: tuple[str, str]) -> bool:
+    """Rules that decide what an attention layer becomes; their not being selected is a reason
+    on every layer. Refinements anchored on an existing GQA (q/k norm, packing) and the norm
+    and RoPE rules are reported per rule only."""
+    return anchor == ("", "Attention")
 
 
 class PassManager:
@@ -68,7 +75,7 @@ class PassManager:
 
         selected = []
         for rule in self.rules:
-            if rule.stage is not Stage.LOWER:
+            if rule.stage is Stage.CANONICALIZE:
                 continue
             reason = rule.requires(ctx.ops, ep)
             if reason is None:
@@ -76,13 +83,16 @@ class PassManager:
             else:
                 rule_reports[rule.name].selected = False
                 rule_reports[rule.name].not_selected_because = reason
-                for layer in layers:
-                    layer.reasons.append(reason)
+                if _is_attention_anchor(rule.anchor):
+                    for layer in layers:
+                        layer.reasons.append(reason)
         by_layer = {layer.layer: layer for layer in layers}
         for index in sorted(options.skip_layers):
             if index in by_layer:
                 by_layer[index].reasons.append(SKIPPED_REASON)
-        self._sweep(ctx, selected, rule_reports, by_layer)
+        for stage in (Stage.LOWER, Stage.FINALIZE):
+            self._sweep(ctx, [r for r in selected if r.stage is stage], rule_reports, by_layer)
+        _note_unrunnable_attention(graph, ctx, by_layer)
 
         self._cleanup(model)
         report.rules = list(rule_reports.values())
@@ -163,6 +173,36 @@ class PassManager:
             common_passes.TopologicalSortPass(),
         ):
             cleanup(model)
+
+
+def _note_unrunnable_attention(graph: ir.Graph, ctx: RewriteContext, layers) -> None:
+    """Say so when a kept standard ``Attention`` is not something the EP runs.
+
+    A layer GQA cannot express stays exactly as it was (same op, same mask, same softcap):
+    dropping a feature to fit the EP would be a wrong graph. If the record has no ``Attention``
+    for the dtype, or its ``Attention`` lacks softcap, the layer will not run on that EP as
+    is (ORT falls back to another EP or rejects the model), and the report must say that.
+    """
+    ops = ctx.ops
+    for node in graph:
+        if (node.domain, node.op_type) != ("", "Attention"):
+            continue
+        layer = layers.get(_layer_of(node))
+        if layer is None:
+            continue
+        softcap = node.attributes.get("softcap")
+        softcap = float(softcap.value) if softcap is not None else 0.0
+        if not ops.attention:
+            why = f"{ctx.ep.name} has no ONNX Attention for {ctx.dtype}"
+        elif softcap and not ops.attention_softcap:
+            why = f"{ctx.ep.name}'s Attention does not apply softcap {softcap:g}"
+        else:
+            continue
+        layer.reasons.append(
+            f"not runnable on {ctx.ep.name} as is: {why}, and nothing it runs expresses this "
+            "layer exactly; the standard Attention is kept unchanged (never dropped)"
+        )
+        layer.runs_on_ep = False
 
 
 def _infer_types(model: ir.Model) -> None:

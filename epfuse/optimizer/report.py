@@ -19,6 +19,8 @@ class LayerReport:
     reasons: list[str] = dataclasses.field(default_factory=list)
     """Why the layer was kept, or why a feature stayed outside the fused op."""
     notes: list[str] = dataclasses.field(default_factory=list)
+    runs_on_ep: bool = True
+    """False when the layer was kept in a form the EP's record does not run (it falls back)."""
 
 
 @dataclasses.dataclass

@@ -10,6 +10,15 @@ from .canonicalize.rotate_half import RotateHalfToRotaryEmbedding
 from .canonicalize.softmax_attention import SoftmaxAttentionToAttention
 from .lower.gqa import AttentionToGQA
 from .lower.mrope import MRopeLowering
+from .lower.ms_rotary import OnnxRotaryToContrib
+from .lower.norms import (
+    RMSNormToSimplified,
+    SimplifiedToRMSNorm,
+    SkipLayerNormFusion,
+    SkipRMSNormFusion,
+)
+from .lower.pack_qkv import PackQKV
+from .lower.qk_norm import QKNormIntoGQA
 
 RULES: tuple[Rule, ...] = (
     SoftmaxAttentionToAttention(),
@@ -20,6 +29,13 @@ RULES: tuple[Rule, ...] = (
     KVConcatToAttentionPast(),
     MRopeLowering(),
     AttentionToGQA(),
+    QKNormIntoGQA(),
+    PackQKV(),
+    SkipRMSNormFusion(),
+    SkipLayerNormFusion(),
+    RMSNormToSimplified(),
+    SimplifiedToRMSNorm(),
+    OnnxRotaryToContrib(),
 )
 
 __all__ = [

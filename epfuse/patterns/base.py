@@ -28,6 +28,9 @@ if TYPE_CHECKING:
 class Stage(enum.Enum):
     CANONICALIZE = "canonicalize"
     LOWER = "lower"
+    FINALIZE = "finalize"
+    """Lowering that must see the attention decisions first (e.g. splitting RoPE out for an
+    EP without fused rotary only once GQA has decided not to take it)."""
 
 
 @dataclasses.dataclass(frozen=True)

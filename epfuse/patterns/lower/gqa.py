@@ -97,9 +97,17 @@ def _heads(node: ir.Node, q: ir.Value, k: ir.Value, past_k: ir.Value | None):
     return qh, kvh, hs, 4
 
 
+_SHAPE_KEEPING = (
+    "RotaryEmbedding",
+    "Transpose",
+    "RMSNormalization",  # Qwen3 per-head q/k norm: keeps the shape
+    "SimplifiedLayerNormalization",
+)
+
+
 def _heads_from_producer(q: ir.Value, head_size: int | None) -> int | None:
     node = q.producer()
-    while node is not None and node.op_type in ("RotaryEmbedding", "Transpose"):
+    while node is not None and node.op_type in _SHAPE_KEEPING:
         node = node.inputs[0].producer()
     if node is None or node.op_type != "Reshape" or head_size is None:
         return None
@@ -157,6 +165,9 @@ class AttentionToGQA(Rule):
         scale = float(scale) if scale is not None else 1.0 / math.sqrt(head_size)
 
         rope_plan = self._plan_rope(q, k, head_size, ctx)
+        if gqa_caps.requires_rotary_caches and not rope_plan.fused:
+            why = rope_plan.reason or "no RotaryEmbedding on Q and K to fuse"
+            return Kept(f"{ctx.ep.name}'s GroupQueryAttention wants cos/sin caches, but {why}")
         builder = Builder(ctx.graph, node, f"epfuse/{node.name or 'attention'}")
         if rope_plan.fused:
             q_in, k_in = rope_plan.q.source, rope_plan.k.source

@@ -115,7 +115,8 @@ def test_default_and_cuda_fp32_keep_standard_attention(style):
     for ep in ("default", "cuda", "coreml"):
         optimized, report = epfuse.optimize_with_report(original, ep)
         assert not _gqa_nodes(optimized)
-        assert all(n.domain in ("", "ai.onnx") for n in optimized.graph.node)
+        if ep != "cuda":  # CUDA fp32 still gets the norm fusions its record allows
+            assert all(n.domain in ("", "ai.onnx") for n in optimized.graph.node)
         assert report.fused_layers == 0
         assert all("no GroupQueryAttention" in " ".join(layer.reasons) for layer in report.layers)
         assert_equivalent(original, optimized)

@@ -1,0 +1,210 @@
+"""Does a model contain only what a capability record allows? A structural check.
+
+:func:`required_flags` maps one node to the record flags it needs (``"gqa"``,
+``"gqa.softcap"``, ``"ms_rotary_embedding"``, ...); :func:`violations` checks every node of a
+model against ``record.ops(dtype)``. Nodes whose op and needed flags already occur in the
+original model are the author's choice (a record says what epfuse may *emit*) and come back
+separately as ``kept`` rather than as violations.
+
+:func:`features` reads, per model, the attention features that must survive a rewrite in
+*some* form: softcap values, sliding windows (GQA ``local_window_size`` or a standard
+``Attention`` that still has its mask), interleaved and partial rotations. Tests compare the
+features of the original and the optimized model.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from typing import Any
+
+import onnx
+from onnx import numpy_helper
+
+from .records import EPCapabilities
+
+_GENERIC_VENDOR_OK: frozenset[str] = frozenset()
+"""com.microsoft ops no record flag governs (none yet: every vendor op needs a flag)."""
+
+
+def _attrs(node: onnx.NodeProto) -> dict[str, Any]:
+    return {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+
+
+def _present(node: onnx.NodeProto, index: int) -> bool:
+    return index < len(node.input) and bool(node.input[index])
+
+
+def required_flags(node: onnx.NodeProto) -> tuple[str, ...] | None:
+    """The record flags ``node`` needs; None for an ordinary ONNX op no flag governs."""
+    domain = "" if node.domain in ("", "ai.onnx") else node.domain
+    op = (domain, node.op_type)
+    a = _attrs(node)
+    if op == ("com.microsoft", "GroupQueryAttention"):
+        flags = ["gqa"]
+        if a.get("do_rotary", 0):
+            flags += ["gqa.fused_rotary", "gqa.rotary_position_ids"]
+            if a.get("rotary_interleaved", 0):
+                flags.append("gqa.interleaved_rotary")
+        if a.get("softcap", 0.0):
+            flags.append("gqa.softcap")
+        if a.get("local_window_size", -1) not in (-1, None):
+            flags.append("gqa.local_window")
+        if not _present(node, 1) and not _present(node, 2):
+            flags.append("gqa.packed_qkv")
+        if _present(node, 10):
+            flags.append("gqa.attention_bias")
+        if _present(node, 14) or _present(node, 15):
+            flags.append("gqa.qk_norm")
+        return tuple(flags)
+    if op == ("", "Attention"):
+        return ("attention", "attention_softcap") if a.get("softcap", 0.0) else ("attention",)
+    table = {
+        ("", "RotaryEmbedding"): "rotary_embedding",
+        ("com.microsoft", "RotaryEmbedding"): "ms_rotary_embedding",
+        ("com.microsoft", "MRotaryEmbedding"): "mrotary_embedding",
+        ("", "RMSNormalization"): "rms_normalization",
+        ("", "SimplifiedLayerNormalization"): "simplified_layer_norm",
+        ("com.microsoft", "SkipSimplifiedLayerNormalization"): "skip_simplified_layer_norm",
+        ("com.microsoft", "SkipLayerNormalization"): "skip_layer_norm",
+    }
+    if op in table:
+        return (table[op],)
+    if domain and node.op_type not in _GENERIC_VENDOR_OK:
+        return (f"vendor op {domain}::{node.op_type}",)  # no record flag allows it
+    return None
+
+
+def flag_allowed(record: EPCapabilities, dtype: str, flag: str) -> bool:
+    ops = record.ops(dtype)
+    if flag.startswith("vendor op "):
+        return False
+    if flag.startswith("gqa."):
+        return ops.gqa is not None and bool(getattr(ops.gqa, flag[4:]))
+    if flag == "gqa":
+        return ops.gqa is not None
+    return bool(getattr(ops, flag))
+
+
+@dataclasses.dataclass
+class Conformance:
+    violations: list[str] = dataclasses.field(default_factory=list)
+    """Emitted nodes the record does not allow: always a bug."""
+    kept: list[str] = dataclasses.field(default_factory=list)
+    """Nodes from the input the record does not run (the author's choice, reported)."""
+    needed: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    """How often each flag was needed."""
+
+
+def _signature(node: onnx.NodeProto) -> tuple[str, str, tuple[str, ...]] | None:
+    flags = required_flags(node)
+    if flags is None:
+        return None
+    domain = "" if node.domain in ("", "ai.onnx") else node.domain
+    return domain, node.op_type, flags
+
+
+def check(
+    model: onnx.ModelProto,
+    record: EPCapabilities,
+    dtype: str,
+    original: onnx.ModelProto | None = None,
+) -> Conformance:
+    """Every node of ``model`` against ``record.ops(dtype)``; see the module docstring."""
+    from_input = {_signature(n) for n in original.graph.node} if original is not None else set()
+    result = Conformance()
+    ops = record.ops(dtype)
+    for node in model.graph.node:
+        signature = _signature(node)
+        if signature is None:
+            continue
+        flags = signature[2]
+        result.needed.update(flags)
+        missing = [f for f in flags if not flag_allowed(record, dtype, f)]
+        if not record.vendor_ops and signature[0]:
+            missing.append("vendor_ops")
+        if (
+            ops.gqa is not None
+            and node.op_type == "GroupQueryAttention"
+            and ops.gqa.requires_rotary_caches
+            and not _present(node, 7)
+        ):
+            missing.append("gqa.requires_rotary_caches (cos/sin absent)")
+        if not missing:
+            continue
+        line = f"{node.name or node.op_type}: {signature[0] or 'ai.onnx'}::{node.op_type} needs {missing}"
+        (result.kept if signature in from_input else result.violations).append(line)
+    return result
+
+
+# ------------------------------------------------------------------------------ features
+
+
+@dataclasses.dataclass(frozen=True)
+class Features:
+    softcaps: tuple[float, ...]
+    """Softcap of every attention node carrying one (sorted)."""
+    windows: tuple[int, ...]
+    """GQA local_window_size values (sorted)."""
+    masked_attention: int
+    """Standard Attention nodes that still read a mask input."""
+    attention_layers: int
+    rotations: tuple[tuple[int, int], ...]
+    """(interleaved, rotary_dim) per rotated tensor (Q and K count separately); rotary_dim is
+    0 for a full-head rotation."""
+    head_norms: int
+    """Per-head (q/k) RMS norms: norm nodes whose scale is head_dim wide, plus two per GQA
+    with q_norm_weight/k_norm_weight."""
+
+
+def features(model: onnx.ModelProto, head_dim: int) -> Features:
+    inits = {t.name: t for t in model.graph.initializer}
+    softcaps, windows, rotations = [], [], []
+    masked = layers = head_norms = 0
+    shapes = {t.name: tuple(t.dims) for t in model.graph.initializer}
+    for node in model.graph.node:
+        a = _attrs(node)
+        domain = "" if node.domain in ("", "ai.onnx") else node.domain
+        op = (domain, node.op_type)
+        if op in (("", "Attention"), ("com.microsoft", "GroupQueryAttention")):
+            layers += 1
+            if a.get("softcap", 0.0):
+                softcaps.append(round(float(a["softcap"]), 6))
+        if op == ("", "Attention") and _present(node, 3):
+            masked += 1
+        if op == ("com.microsoft", "GroupQueryAttention"):
+            if a.get("local_window_size", -1) not in (-1, None):
+                windows.append(int(a["local_window_size"]))
+            if a.get("do_rotary", 0):
+                cos = inits.get(node.input[7])
+                width = 2 * int(numpy_helper.to_array(cos).shape[1]) if cos is not None else 0
+                dim = 0 if width == head_dim else width
+                inter = int(a.get("rotary_interleaved", 0))
+                rotations += [(inter, dim), (inter, dim)]
+        if op == ("com.microsoft", "GroupQueryAttention") and _present(node, 14):
+            head_norms += 2
+        if node.op_type in _NORMS and len(node.input) > 1:
+            scale = node.input[2 if node.op_type.startswith("Skip") else 1]
+            if shapes.get(scale) == (head_dim,):
+                head_norms += 1
+        if node.op_type == "RotaryEmbedding" and domain in ("", "com.microsoft"):
+            dim = int(a.get("rotary_embedding_dim", 0))
+            rotations.append((int(a.get("interleaved", 0)), 0 if dim == head_dim else dim))
+    return Features(
+        softcaps=tuple(sorted(softcaps)),
+        windows=tuple(sorted(windows)),
+        masked_attention=masked,
+        attention_layers=layers,
+        rotations=tuple(sorted(rotations)),
+        head_norms=head_norms,
+    )
+
+
+_NORMS = frozenset(
+    {
+        "RMSNormalization",
+        "SimplifiedLayerNormalization",
+        "SkipSimplifiedLayerNormalization",
+        "LayerNormalization",
+    }
+)

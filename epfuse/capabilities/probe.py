@@ -1,0 +1,517 @@
+"""Check the capability records against the installed ONNX Runtime.
+
+Two checks, per record and dtype:
+
+1. **Schema**: every op, input and attribute epfuse may emit for a flag the record turns on
+   exists in the installed ORT's schema set (``get_all_operator_schema``), with the dtype in
+   the op's type constraint. A record that promises what this ORT cannot even load is wrong.
+2. **Known answers** (only for EPs present in the installed build; here that is the CPU EP):
+   a tiny model per fused op and feature is run on the EP alone (``session.disable_cpu_ep_
+   fallback`` for non-CPU EPs, so a silent fallback shows up as a failure) and compared with a
+   float64 numpy reference at the dtype's tolerance. A flag the record turns on that fails, or
+   one it turns off that passes, is a mismatch.
+
+:func:`probed_record` derives a record that trusts the probe over the static data
+(``dataclasses.replace``); ``epfuse.optimize(..., probe=True)`` uses it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+
+import numpy as np
+import onnxruntime as ort
+from onnx import TensorProto, helper
+
+from epfuse.optimizer.tolerances import tolerance_for
+
+from .conformance import flag_allowed
+from .records import DTYPES, EPCapabilities, GQASupport, OpSupport
+
+
+@dataclasses.dataclass(frozen=True)
+class Emission:
+    """What epfuse emits for one flag: an op with named inputs/outputs and attributes."""
+
+    domain: str
+    op_type: str
+    inputs: tuple[tuple[int, str], ...] = ()
+    outputs: tuple[tuple[int, str], ...] = ()
+    attributes: tuple[str, ...] = ()
+
+
+_GQA = ("com.microsoft", "GroupQueryAttention")
+EMISSIONS: dict[str, tuple[Emission, ...]] = {
+    "gqa": (
+        Emission(
+            *_GQA,
+            inputs=(
+                (0, "query"),
+                (1, "key"),
+                (2, "value"),
+                (3, "past_key"),
+                (4, "past_value"),
+                (5, "seqlens_k"),
+                (6, "total_sequence_length"),
+            ),
+            outputs=((1, "present_key"), (2, "present_value")),
+            attributes=("num_heads", "kv_num_heads", "scale", "do_rotary"),
+        ),
+    ),
+    "gqa.fused_rotary": (
+        Emission(
+            *_GQA,
+            inputs=((7, "cos_cache"), (8, "sin_cache")),
+            attributes=("do_rotary", "rotary_interleaved"),
+        ),
+    ),
+    "gqa.rotary_position_ids": (Emission(*_GQA, inputs=((9, "position_ids"),)),),
+    "gqa.interleaved_rotary": (Emission(*_GQA, attributes=("rotary_interleaved",)),),
+    "gqa.softcap": (Emission(*_GQA, attributes=("softcap",)),),
+    "gqa.local_window": (Emission(*_GQA, attributes=("local_window_size",)),),
+    "gqa.packed_qkv": (Emission(*_GQA, inputs=((0, "query"),)),),
+    "gqa.attention_bias": (Emission(*_GQA, inputs=((10, "attention_bias"),)),),
+    "gqa.qk_norm": (
+        Emission(
+            *_GQA,
+            inputs=((14, "q_norm_weight"), (15, "k_norm_weight")),
+            attributes=("q_norm_epsilon", "k_norm_epsilon"),
+        ),
+    ),
+    "attention": (
+        Emission("", "Attention", attributes=("q_num_heads", "kv_num_heads", "scale", "is_causal")),
+    ),
+    "attention_softcap": (Emission("", "Attention", attributes=("softcap",)),),
+    "rotary_embedding": (
+        Emission(
+            "", "RotaryEmbedding", attributes=("interleaved", "num_heads", "rotary_embedding_dim")
+        ),
+    ),
+    "ms_rotary_embedding": (
+        Emission(
+            "com.microsoft",
+            "RotaryEmbedding",
+            inputs=((0, "input"), (1, "position_ids"), (2, "cos_cache"), (3, "sin_cache")),
+            attributes=("interleaved", "num_heads", "rotary_embedding_dim"),
+        ),
+    ),
+    "mrotary_embedding": (
+        Emission("com.microsoft", "MRotaryEmbedding", attributes=("mrope_section",)),
+    ),
+    "rms_normalization": (
+        Emission("", "RMSNormalization", attributes=("axis", "epsilon", "stash_type")),
+    ),
+    "simplified_layer_norm": (
+        Emission("", "SimplifiedLayerNormalization", attributes=("axis", "epsilon", "stash_type")),
+    ),
+    "skip_simplified_layer_norm": (
+        Emission(
+            "com.microsoft",
+            "SkipSimplifiedLayerNormalization",
+            outputs=((3, "input_skip_bias_sum"),),
+            attributes=("epsilon",),
+        ),
+    ),
+    "skip_layer_norm": (
+        Emission(
+            "com.microsoft",
+            "SkipLayerNormalization",
+            outputs=((3, "input_skip_bias_sum"),),
+            attributes=("epsilon",),
+        ),
+    ),
+}
+_TYPE_NAMES = {
+    "float32": "tensor(float)",
+    "float16": "tensor(float16)",
+    "bfloat16": "tensor(bfloat16)",
+}
+
+
+@functools.cache
+def _schemas() -> dict[tuple[str, str], object]:
+    from onnxruntime.capi.onnxruntime_pybind11_state import get_all_operator_schema
+
+    latest: dict[tuple[str, str], object] = {}
+    for schema in get_all_operator_schema():
+        key = (schema.domain, schema.name)
+        if key not in latest or schema.since_version > latest[key].since_version:
+            latest[key] = schema
+    return latest
+
+
+def schema_mismatches(flag: str, dtype: str) -> list[str]:
+    """Why ``flag``'s emissions for ``dtype`` are not in the installed ORT schema set."""
+    problems = []
+    for e in EMISSIONS.get(flag, ()):
+        schema = _schemas().get((e.domain, e.op_type))
+        name = f"{e.domain or 'ai.onnx'}::{e.op_type}"
+        if schema is None:
+            problems.append(f"{flag}: {name} is not an op of onnxruntime {ort.__version__}")
+            continue
+        for index, expected in e.inputs:
+            got = schema.inputs[index].name if index < len(schema.inputs) else None
+            if got != expected:
+                problems.append(f"{flag}: {name} input {index} is {got!r}, not {expected!r}")
+        for index, expected in e.outputs:
+            got = schema.outputs[index].name if index < len(schema.outputs) else None
+            if got != expected:
+                problems.append(f"{flag}: {name} output {index} is {got!r}, not {expected!r}")
+        missing = [a for a in e.attributes if a not in schema.attributes]
+        if missing:
+            problems.append(f"{flag}: {name} has no attribute(s) {missing}")
+        first = schema.type_constraints[0] if schema.type_constraints else None
+        if first is not None and _TYPE_NAMES[dtype] not in first.allowed_type_strs:
+            problems.append(f"{flag}: {name} does not take {dtype}")
+    return problems
+
+
+# ------------------------------------------------------------------------ known answers
+
+_B, _S, _N, _KV, _H, _M = 1, 5, 2, 1, 16, 16
+_NP = {"float32": np.float32, "float16": np.float16}
+_ONNX = {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16}
+
+
+def _run(
+    nodes, inputs: dict[str, np.ndarray], outputs: list[str], provider: str, opset: int = 23
+) -> list[np.ndarray]:
+    vis = [
+        helper.make_tensor_value_info(k, helper.np_dtype_to_tensor_dtype(v.dtype), v.shape)
+        for k, v in inputs.items()
+    ]
+    floats = [v for v in inputs.values() if v.dtype.kind == "f"]
+    elem = helper.np_dtype_to_tensor_dtype(floats[0].dtype)
+    outs = [helper.make_tensor_value_info(name, elem, None) for name in outputs]
+    graph = helper.make_graph(nodes, "probe", vis, outs)
+    model = helper.make_model(
+        graph,
+        opset_imports=[helper.make_opsetid("", opset), helper.make_opsetid("com.microsoft", 1)],
+        ir_version=10,
+    )
+    options = ort.SessionOptions()
+    options.log_severity_level = 4
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    if provider != "CPUExecutionProvider":
+        options.add_session_config_entry("session.disable_cpu_ep_fallback", "1")
+    session = ort.InferenceSession(model.SerializeToString(), options, providers=[provider])
+    return session.run(outputs, inputs)
+
+
+def _rope(x: np.ndarray, pos: np.ndarray, interleaved: bool, rotary: int = _H) -> np.ndarray:
+    """x (B, heads, S, H) rotated at positions pos (S,), float64."""
+    inv = 1.0 / 10000 ** (np.arange(0, rotary, 2) / rotary)
+    ang = pos[:, None] * inv[None]
+    cos, sin = np.cos(ang), np.sin(ang)
+    rot, rest = x[..., :rotary], x[..., rotary:]
+    if interleaved:
+        a, b = rot[..., 0::2], rot[..., 1::2]
+        out = np.stack([a * cos - b * sin, b * cos + a * sin], -1).reshape(rot.shape)
+    else:
+        a, b = rot[..., : rotary // 2], rot[..., rotary // 2 :]
+        out = np.concatenate([a * cos - b * sin, b * cos + a * sin], -1)
+    return np.concatenate([out, rest], -1)
+
+
+def _attend(q, k, v, softcap=0.0, window=None):
+    """Causal grouped attention on (B, heads, S, H) float64 arrays."""
+    rep = q.shape[1] // k.shape[1]
+    k, v = np.repeat(k, rep, 1), np.repeat(v, rep, 1)
+    scores = q @ k.transpose(0, 1, 3, 2) / np.sqrt(q.shape[-1])
+    if softcap:
+        scores = softcap * np.tanh(scores / softcap)
+    i, j = np.arange(q.shape[2])[:, None], np.arange(k.shape[2])[None]
+    allowed = j <= i
+    if window is not None:
+        allowed &= j > i - window
+    scores = np.where(allowed, scores, -np.inf)
+    p = np.exp(scores - scores.max(-1, keepdims=True))
+    return (p / p.sum(-1, keepdims=True)) @ v
+
+
+def _rms(x, w, eps):
+    return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * w
+
+
+def _bsd(x):  # (B, heads, S, H) -> (B, S, heads*H)
+    return x.transpose(0, 2, 1, 3).reshape(x.shape[0], x.shape[2], -1)
+
+
+def _gqa_case(
+    dtype,
+    provider,
+    *,
+    rotary=False,
+    interleaved=False,
+    softcap=0.0,
+    window=None,
+    packed=False,
+    qk_norm=False,
+):
+    rng = np.random.default_rng(0)
+    t = _NP[dtype]
+    q = rng.standard_normal((_B, _N, _S, _H)).astype(t)
+    k = rng.standard_normal((_B, _KV, _S, _H)).astype(t)
+    v = rng.standard_normal((_B, _KV, _S, _H)).astype(t)
+    q64, k64, v64 = (a.astype(np.float64) for a in (q, k, v))
+    feeds = {
+        "past_k": np.zeros((_B, _KV, 0, _H), t),
+        "past_v": np.zeros((_B, _KV, 0, _H), t),
+        "seqlens_k": np.array([_S - 1], np.int32),
+        "total": np.array(_S, np.int32),
+    }
+    if packed:
+        feeds["query"] = np.concatenate([_bsd(q), _bsd(k), _bsd(v)], -1)
+        names = ["query", "", ""]
+    else:
+        feeds.update(query=_bsd(q), key=_bsd(k), value=_bsd(v))
+        names = ["query", "key", "value"]
+    names += ["past_k", "past_v", "seqlens_k", "total"]
+    attrs = {"num_heads": _N, "kv_num_heads": _KV, "do_rotary": int(rotary)}
+    if qk_norm:
+        wq = (1 + 0.3 * rng.standard_normal(_H)).astype(t)
+        wk = (1 + 0.3 * rng.standard_normal(_H)).astype(t)
+        q64, k64 = _rms(q64, wq.astype(np.float64), 1e-6), _rms(k64, wk.astype(np.float64), 1e-6)
+        feeds.update(wq=wq, wk=wk)
+        attrs.update(q_norm_epsilon=1e-6, k_norm_epsilon=1e-6)
+    if rotary:
+        pos = np.arange(_S)
+        inv = 1.0 / 10000 ** (np.arange(0, _H, 2) / _H)
+        ang = np.arange(_M)[:, None] * inv[None]
+        feeds.update(
+            cos=np.cos(ang).astype(t),
+            sin=np.sin(ang).astype(t),
+            pos=np.arange(_S, dtype=np.int64)[None],
+        )
+        names += ["cos", "sin", "pos"]
+        attrs["rotary_interleaved"] = int(interleaved)
+        q64, k64 = _rope(q64, pos, interleaved), _rope(k64, pos, interleaved)
+    if qk_norm:
+        names += [""] * (14 - len(names)) + ["wq", "wk"]
+    if softcap:
+        attrs["softcap"] = softcap
+    if window is not None:
+        attrs["local_window_size"] = window
+    node = helper.make_node("GroupQueryAttention", names, ["y"], domain="com.microsoft", **attrs)
+    (got,) = _run([node], feeds, ["y"], provider)
+    return got, _bsd(_attend(q64, k64, v64, softcap, window))
+
+
+def _attention_case(dtype, provider, softcap=0.0):
+    rng = np.random.default_rng(1)
+    t = _NP[dtype]
+    q = rng.standard_normal((_B, _N, _S, _H)).astype(t)
+    k = rng.standard_normal((_B, _KV, _S, _H)).astype(t)
+    v = rng.standard_normal((_B, _KV, _S, _H)).astype(t)
+    attrs = {"is_causal": 1}
+    if softcap:
+        attrs["softcap"] = softcap
+    node = helper.make_node("Attention", ["q", "k", "v"], ["y"], **attrs)
+    (got,) = _run([node], {"q": q, "k": k, "v": v}, ["y"], provider)
+    ref = _attend(*(a.astype(np.float64) for a in (q, k, v)), softcap)
+    return got, ref
+
+
+def _rope_case(dtype, provider, contrib: bool):
+    rng = np.random.default_rng(2)
+    t = _NP[dtype]
+    rotary = _H // 2  # partial and interleaved: the features peers lose
+    x = rng.standard_normal((_B, _N, _S, _H)).astype(t)
+    pos = rng.integers(0, _M, (_B, _S))
+    inv = 1.0 / 10000 ** (np.arange(0, rotary, 2) / rotary)
+    ang = np.arange(_M)[:, None] * inv[None]
+    feeds = {"x": _bsd(x), "cos": np.cos(ang).astype(t), "sin": np.sin(ang).astype(t), "pos": pos}
+    attrs = {"interleaved": 1, "num_heads": _N, "rotary_embedding_dim": rotary}
+    if contrib:
+        node = helper.make_node(
+            "RotaryEmbedding", ["x", "pos", "cos", "sin"], ["y"], domain="com.microsoft", **attrs
+        )
+    else:
+        node = helper.make_node("RotaryEmbedding", ["x", "cos", "sin", "pos"], ["y"], **attrs)
+    (got,) = _run([node], feeds, ["y"], provider)
+    ref = np.stack(
+        [_rope(x[b : b + 1].astype(np.float64), pos[b], True, rotary)[0] for b in range(_B)]
+    )
+    return got, _bsd(ref)
+
+
+def _norm_case(dtype, provider, op: str):
+    rng = np.random.default_rng(3)
+    t = _NP[dtype]
+    x = rng.standard_normal((2, 3, 32)).astype(t)
+    skip = rng.standard_normal((2, 3, 32)).astype(t)
+    w = (1 + 0.2 * rng.standard_normal(32)).astype(t)
+    beta = (0.2 * rng.standard_normal(32)).astype(t)
+    eps = 1e-5
+    x64, s64, w64, b64 = (a.astype(np.float64) for a in (x, skip, w, beta))
+    if op in ("RMSNormalization", "SimplifiedLayerNormalization"):
+        node = helper.make_node(op, ["x", "w"], ["y"], axis=-1, epsilon=eps, stash_type=1)
+        (got,) = _run([node], {"x": x, "w": w}, ["y"], provider)
+        return got, _rms(x64, w64, eps)
+    total = x64 + s64
+    if op == "SkipSimplifiedLayerNormalization":
+        node = helper.make_node(
+            op, ["x", "skip", "w"], ["y", "", "", "sum"], domain="com.microsoft", epsilon=eps
+        )
+        y, summed = _run([node], {"x": x, "skip": skip, "w": w}, ["y", "sum"], provider)
+        ref = _rms(total, w64, eps)
+    else:
+        node = helper.make_node(
+            op,
+            ["x", "skip", "w", "beta"],
+            ["y", "", "", "sum"],
+            domain="com.microsoft",
+            epsilon=eps,
+        )
+        y, summed = _run(
+            [node], {"x": x, "skip": skip, "w": w, "beta": beta}, ["y", "sum"], provider
+        )
+        centred = total - total.mean(-1, keepdims=True)
+        ref = centred / np.sqrt((centred**2).mean(-1, keepdims=True) + eps) * w64 + b64
+    return np.concatenate([y.ravel(), summed.ravel()]), np.concatenate([ref.ravel(), total.ravel()])
+
+
+KNOWN_ANSWERS: dict[str, Callable[[str, str], tuple[np.ndarray, np.ndarray]]] = {
+    "gqa": lambda d, p: _gqa_case(d, p),
+    "gqa.fused_rotary": lambda d, p: _gqa_case(d, p, rotary=True),
+    "gqa.interleaved_rotary": lambda d, p: _gqa_case(d, p, rotary=True, interleaved=True),
+    "gqa.softcap": lambda d, p: _gqa_case(d, p, softcap=2.0),
+    "gqa.local_window": lambda d, p: _gqa_case(d, p, window=2),
+    "gqa.packed_qkv": lambda d, p: _gqa_case(d, p, packed=True),
+    "gqa.qk_norm": lambda d, p: _gqa_case(d, p, qk_norm=True),
+    "attention": lambda d, p: _attention_case(d, p),
+    "attention_softcap": lambda d, p: _attention_case(d, p, softcap=2.0),
+    "rotary_embedding": lambda d, p: _rope_case(d, p, contrib=False),
+    "ms_rotary_embedding": lambda d, p: _rope_case(d, p, contrib=True),
+    "rms_normalization": lambda d, p: _norm_case(d, p, "RMSNormalization"),
+    "simplified_layer_norm": lambda d, p: _norm_case(d, p, "SimplifiedLayerNormalization"),
+    "skip_simplified_layer_norm": lambda d, p: _norm_case(d, p, "SkipSimplifiedLayerNormalization"),
+    "skip_layer_norm": lambda d, p: _norm_case(d, p, "SkipLayerNormalization"),
+}
+"""Flags with a known-answer run (mrotary_embedding and gqa.attention_bias are schema-only;
+gqa.rotary_position_ids is covered by the fused-rotary run's explicit position_ids)."""
+
+
+def known_answer(flag: str, dtype: str, provider: str) -> str | None:
+    """None when ``flag`` computes the right answer for ``dtype`` on ``provider``, else why not."""
+    tol = tolerance_for(dtype)
+    try:
+        got, ref = KNOWN_ANSWERS[flag](dtype, provider)
+    except Exception as err:
+        line = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        return f"fails to run: {line[:200]}"
+    got = np.asarray(got, dtype=np.float64)
+    if got.shape != ref.shape:
+        return f"wrong shape {got.shape}, expected {ref.shape}"
+    err = np.abs(got - ref)
+    if not np.all(err <= tol.atol + tol.rtol * np.abs(ref)):
+        return f"wrong answer (max |error| {float(err.max()):.3g})"
+    return None
+
+
+# ------------------------------------------------------------------------ probing a record
+
+
+@dataclasses.dataclass
+class ProbeReport:
+    ep: str
+    installed: bool
+    schema: list[str] = dataclasses.field(default_factory=list)
+    """Schema mismatches of flags the record turns on."""
+    observed: dict[tuple[str, str], bool] = dataclasses.field(default_factory=dict)
+    """(dtype, flag) -> known-answer outcome, for the EP present in this build."""
+    mismatches: list[str] = dataclasses.field(default_factory=list)
+
+    def summary(self) -> str:
+        if self.installed:
+            head = f"{self.ep}: schema checked; {len(self.observed)} known-answer runs"
+        else:
+            head = f"{self.ep}: schema checked only (its EP is not in this onnxruntime build)"
+        lines = [head]
+        lines += [f"  mismatch: {m}" for m in self.mismatches] or ["  record agrees"]
+        return "\n".join(lines)
+
+
+def _flags() -> list[str]:
+    return list(EMISSIONS)
+
+
+def probe(record: EPCapabilities) -> ProbeReport:
+    installed = record.provider is not None and record.provider in ort.get_available_providers()
+    report = ProbeReport(record.name, installed)
+    for dtype in record.dtypes:
+        for flag in _flags():
+            if flag_allowed(record, dtype, flag):
+                for problem in schema_mismatches(flag, dtype):
+                    report.schema.append(f"{dtype}: {problem}")
+                    report.mismatches.append(f"{dtype} {problem}")
+    if installed:
+        for dtype in (d for d in DTYPES if d in _NP and d in record.dtypes):
+            for flag in KNOWN_ANSWERS:
+                if flag.startswith("gqa.") and record.ops(dtype).gqa is None:
+                    continue
+                why = known_answer(flag, dtype, record.provider)
+                report.observed[(dtype, flag)] = why is None
+                claimed = flag_allowed(record, dtype, flag)
+                if claimed and why is not None:
+                    report.mismatches.append(f"{dtype} {flag}: record says yes, but it {why}")
+                elif not claimed and why is None:
+                    report.mismatches.append(f"{dtype} {flag}: record says no, but it works")
+    return report
+
+
+def probed_record(record: EPCapabilities, report: ProbeReport | None = None) -> EPCapabilities:
+    """``record`` with every flag the probe decided set to the probe's answer."""
+    report = report or probe(record)
+    bad_schema = {line.split(":")[1].strip() for line in report.schema}
+    dtypes = {}
+    for dtype, ops in record.dtypes.items():
+        updates: dict[str, object] = {}
+        gqa_updates: dict[str, bool] = {}
+        for flag in _flags():
+            value = report.observed.get((dtype, flag))
+            if flag in bad_schema:
+                value = False
+            if value is None:
+                continue
+            if flag.startswith("gqa."):
+                gqa_updates[flag[4:]] = value
+            elif flag != "gqa":
+                updates[flag] = value
+        gqa = ops.gqa
+        if report.observed.get((dtype, "gqa")) is False or "gqa" in bad_schema:
+            gqa = None
+        elif gqa is not None and gqa_updates:
+            gqa = dataclasses.replace(gqa, **gqa_updates)
+        elif gqa is None and report.observed.get((dtype, "gqa")):
+            gqa = dataclasses.replace(GQASupport(), **gqa_updates)
+        dtypes[dtype] = dataclasses.replace(ops, gqa=gqa, **updates)
+    return dataclasses.replace(record, dtypes=dtypes)
+
+
+_PROBED: dict[int, tuple[EPCapabilities, EPCapabilities, ProbeReport]] = {}
+
+
+def cached_probe(record: EPCapabilities) -> tuple[EPCapabilities, ProbeReport]:
+    """(probed record, report), computed once per record object in this process."""
+    hit = _PROBED.get(id(record))
+    if hit is None or hit[0] is not record:
+        report = probe(record)
+        hit = (record, probed_record(record, report), report)
+        _PROBED[id(record)] = hit
+    return hit[1], hit[2]
+
+
+__all__ = [
+    "EMISSIONS",
+    "KNOWN_ANSWERS",
+    "OpSupport",
+    "ProbeReport",
+    "cached_probe",
+    "known_answer",
+    "probe",
+    "probed_record",
+    "schema_mismatches",
+]

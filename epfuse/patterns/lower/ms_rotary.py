@@ -1,0 +1,132 @@
+"""ONNX ``RotaryEmbedding`` (opset 23) -> ``com.microsoft::RotaryEmbedding``, for EPs whose record
+has the contrib op but not the ONNX one (DirectML, WebGPU).
+
+It runs in the FINALIZE stage, after attention lowering: a rotation GroupQueryAttention took
+(``do_rotary=1``) is gone by then, and what is left is the rotation an EP must run on its own
+(``do_rotary=0``: DML has no cos/sin inputs on GQA, WebGPU's fused rotary ignores
+``position_ids``).
+
+The two ops differ in input order (ONNX: X, cos, sin, position_ids; contrib: input,
+position_ids, cos, sin) and in which attributes are needed. Every attribute is carried
+explicitly: ``interleaved`` (the peers lose it here), ``rotary_embedding_dim`` (partial
+rotary) and ``num_heads``, which the contrib op needs whenever ``rotary_embedding_dim`` is
+set. Both (B, N, S, H) and (B, S, N*H) inputs are accepted by the contrib op with the same
+meaning (checked by a known-answer run on ORT 1.32 CPU for both layouts, full/partial rotary
+and both pairings: bit-identical).
+
+Preconditions: position_ids present and int64 with 2-D constant-shape (max_pos, R/2) caches
+(the per-token cos/sin form has no contrib equivalent), a static head count and head size,
+and ``rotary_embedding_dim`` (or the head size) equal to twice the cache width.
+"""
+
+from __future__ import annotations
+
+import onnx_ir as ir
+
+from .._graph import attr, dim, ensure_opset, input_at, replace_value, shape_vector
+from .._layout import last_dim
+from ..base import Kept, RewriteContext, Rewritten, Rule, Stage
+
+
+class OnnxRotaryToContrib(Rule):
+    name = "rotary-embedding-to-contrib"
+    stage = Stage.FINALIZE
+    anchor = ("", "RotaryEmbedding")
+    description = "ONNX RotaryEmbedding -> com.microsoft::RotaryEmbedding (EPs without the ONNX op)"
+
+    def requires(self, ops, ep):
+        if ops.rotary_embedding:
+            return f"{ep.name} runs ONNX RotaryEmbedding itself"
+        if not ops.ms_rotary_embedding:
+            return f"{ep.name} has no com.microsoft::RotaryEmbedding for this dtype"
+        return None
+
+    def apply(self, node: ir.Node, ctx: RewriteContext):
+        x, cos, sin, positions = (input_at(node, i) for i in range(4))
+        if cos is None or sin is None or positions is None:
+            return Kept("RotaryEmbedding without position_ids (per-token cos/sin): no contrib form")
+        if positions.dtype != ir.DataType.INT64:
+            return Kept("position_ids are not int64")
+        if positions.shape is not None and len(positions.shape) != 2:
+            return Kept("position_ids are not (batch, seq)")
+        if cos.shape is None or sin.shape is None or len(cos.shape) != 2:
+            return Kept("cos/sin caches are not 2-D (max_positions, rotary_dim/2)")
+        width = cos.shape[1]
+        if not isinstance(width, int) or list(sin.shape) != list(cos.shape):
+            return Kept("cos/sin cache width is not static and equal")
+        if x.shape is None or len(x.shape) not in (3, 4):
+            return Kept("the rotated input is not rank 3 or 4")
+        if len(x.shape) == 4:
+            heads, head_size = x.shape[1], x.shape[3]
+            if not isinstance(heads, int) and isinstance(head_size, int):
+                heads = _heads_of_bnsh(x, head_size)
+            declared = attr(node, "num_heads")
+            if declared and isinstance(heads, int) and declared != heads:
+                return Kept("num_heads disagrees with the input's head axis")
+        else:
+            heads = attr(node, "num_heads")
+            hidden = last_dim(x)
+            if not heads or hidden is None or hidden % heads:
+                return Kept("3-D input without a num_heads that divides its width")
+            head_size = hidden // heads
+        if not isinstance(heads, int) or not isinstance(head_size, int):
+            return Kept("head count or head size is not static")
+        rotary_dim = int(attr(node, "rotary_embedding_dim", 0) or 0) or head_size
+        if rotary_dim != 2 * width or rotary_dim > head_size:
+            return Kept("rotary_embedding_dim disagrees with the cos/sin cache width")
+        interleaved = int(attr(node, "interleaved", 0) or 0)
+        ensure_opset(ctx.model, "com.microsoft", 1)
+        new = ir.node(
+            "RotaryEmbedding",
+            [x, positions, cos, sin],
+            {
+                "interleaved": interleaved,
+                "num_heads": heads,
+                "rotary_embedding_dim": rotary_dim,
+            },
+            domain="com.microsoft",
+            name=f"{node.name or 'rotary'}/ms_RotaryEmbedding",
+        )
+        ctx.graph.insert_before(node, new)
+        out = new.outputs[0]
+        out.shape, out.type = node.outputs[0].shape, node.outputs[0].type
+        out.name = f"{new.name}/output"
+        replace_value(node.outputs[0], out)
+        ctx.graph.remove(node, safe=True)
+        kind = "interleaved" if interleaved else "half-split"
+        partial = f", partial {rotary_dim}/{head_size}" if rotary_dim != head_size else ""
+        return Rewritten(f"RotaryEmbedding -> com.microsoft::RotaryEmbedding ({kind}{partial})")
+
+
+def _heads_of_bnsh(x: ir.Value, head_size: int) -> int | None:
+    """Heads of ``x = Transpose(norm*(Reshape(y, [B, S, -1|N, H])), [0, 2, 1, 3])`` with y
+    (B, S, N*H); ``norm*`` are shape-keeping norms (Qwen3's per-head q/k norm). None when the
+    head axis cannot be established statically."""
+    transpose = x.producer()
+    if transpose is None or transpose.op_type != "Transpose":
+        return None
+    if list(attr(transpose, "perm", [])) != [0, 2, 1, 3]:
+        return None
+    node = transpose.inputs[0].producer()
+    while node is not None and node.op_type in _SHAPE_KEEPING_NORMS:
+        node = node.inputs[0].producer()
+    if node is None or node.op_type != "Reshape":
+        return None
+    y = node.inputs[0]
+    width = last_dim(y)
+    target = shape_vector(node.inputs[1])
+    if width is None or width % head_size or target is None or len(target) != 4:
+        return None
+    heads = width // head_size
+    if target[3] != head_size or target[2] not in (heads, -1):
+        return None
+    allowzero = attr(node, "allowzero", 0)
+    for axis in (0, 1):
+        got = target[axis]
+        if got == dim(y, axis) or (got == 0 and not allowzero):
+            continue
+        return None
+    return heads
+
+
+_SHAPE_KEEPING_NORMS = ("RMSNormalization", "SimplifiedLayerNormalization")
