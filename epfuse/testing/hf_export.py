@@ -279,30 +279,41 @@ def export_hf_decoder(
     ``float16`` or ``bfloat16``) is the dtype of the weights, KV cache and logits; the weights
     are the float32 ones of the same seed, rounded. Returns the written path.
     """
-    import torch
-
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     model, config = _build_model(config, seed, initializer_range, dtype)
-    num_layers, num_kv, head_dim = _kv_dims(config)
-    wrapper = _make_wrapper(model, num_layers)
+    wrapper = _make_wrapper(model, _kv_dims(config)[0])
+    return _export(wrapper, path, config, seed, opset, dtype, mrope=False)
 
+
+def _export(wrapper, path: Path, config, seed: int, opset: int, dtype: str, *, mrope: bool) -> Path:
+    """torch.onnx (dynamo) export of a flat-cache wrapper with dynamic batch/seq/past."""
+    import torch
+
+    num_layers, num_kv, head_dim = _kv_dims(config)
     b, s, p = _EXAMPLE_BATCH, _EXAMPLE_SEQ, _EXAMPLE_PAST
     vocab = int(_text_config(config).vocab_size)
     gen = torch.Generator().manual_seed(seed)
     input_ids = torch.randint(0, vocab, (b, s), generator=gen, dtype=torch.int64)
     attention_mask = torch.ones((b, p + s), dtype=torch.int64)
-    position_ids = torch.arange(p, p + s, dtype=torch.int64).unsqueeze(0).expand(b, s).contiguous()
+    bd, sd, pd, td = (torch.export.Dim(n) for n in ("batch", "seq", "past", "total"))
+    if mrope:
+        # Distinct streams, so that nothing specialises on T == H == W.
+        position_ids = torch.stack([torch.arange(p, p + s) + k for k in range(3)])
+        position_ids = position_ids[:, None, :].expand(3, b, s).contiguous()
+        position_dims = {1: bd, 2: sd}
+    else:
+        position_ids = torch.arange(p, p + s, dtype=torch.int64).unsqueeze(0).expand(b, s)
+        position_ids = position_ids.contiguous()
+        position_dims = {0: bd, 1: sd}
     past = tuple(
         torch.randn((b, num_kv, p, head_dim), generator=gen).to(_torch_dtype(dtype))
         for _ in range(2 * num_layers)
     )
-
-    bd, sd, pd, td = (torch.export.Dim(n) for n in ("batch", "seq", "past", "total"))
     dynamic_shapes = (
         {0: bd, 1: sd},
         {0: bd, 1: td},
-        {0: bd, 1: sd},
+        position_dims,
         tuple({0: bd, 2: pd} for _ in range(2 * num_layers)),
     )
     with _quiet(), torch.no_grad():
@@ -406,54 +417,13 @@ def export_hf_mrope_decoder(
     The vision tower is built (random) but not exported: image features would enter as input
     embeddings, which does not change the decoder's attention or its mRoPE.
     """
-    import torch
-
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     model, config = _build_model(
         config, seed, initializer_range, dtype, auto_class="AutoModelForImageTextToText"
     )
-    num_layers, num_kv, head_dim = _kv_dims(config)
-    wrapper = _make_wrapper(model, num_layers, text_only=True)
-
-    b, s, p = _EXAMPLE_BATCH, _EXAMPLE_SEQ, _EXAMPLE_PAST
-    vocab = int(_text_config(config).vocab_size)
-    gen = torch.Generator().manual_seed(seed)
-    input_ids = torch.randint(0, vocab, (b, s), generator=gen, dtype=torch.int64)
-    attention_mask = torch.ones((b, p + s), dtype=torch.int64)
-    # Distinct streams, so that nothing specialises on T == H == W.
-    position_ids = torch.stack([torch.arange(p, p + s) + k for k in range(3)])
-    position_ids = position_ids[:, None, :].expand(3, b, s).contiguous()
-    past = tuple(
-        torch.randn((b, num_kv, p, head_dim), generator=gen).to(_torch_dtype(dtype))
-        for _ in range(2 * num_layers)
-    )
-
-    bd, sd, pd, td = (torch.export.Dim(n) for n in ("batch", "seq", "past", "total"))
-    dynamic_shapes = (
-        {0: bd, 1: sd},
-        {0: bd, 1: td},
-        {1: bd, 2: sd},
-        tuple({0: bd, 2: pd} for _ in range(2 * num_layers)),
-    )
-    with _quiet(), torch.no_grad():
-        program = torch.onnx.export(
-            wrapper,
-            (input_ids, attention_mask, position_ids, *past),
-            input_names=[
-                "input_ids",
-                "attention_mask",
-                "position_ids",
-                *past_input_names(num_layers),
-            ],
-            output_names=["logits", *present_output_names(num_layers)],
-            dynamic_shapes=dynamic_shapes,
-            opset_version=opset,
-            dynamo=True,
-            verbose=False,
-        )
-        program.save(str(path), external_data=False)
-    return path
+    wrapper = _make_wrapper(model, _kv_dims(config)[0], text_only=True)
+    return _export(wrapper, path, config, seed, opset, dtype, mrope=True)
 
 
 def hf_mrope_reference(
