@@ -42,6 +42,7 @@ from .._graph import (
     replace_value,
     shape_vector,
 )
+from .._layout import last_dim
 from .._opset import require_default_opset
 from ..base import Kept, RewriteContext, Rewritten, Rule, Stage
 
@@ -295,7 +296,7 @@ class DecomposedAttentionToAttention(Rule):
         hq, hk = dim(q, 3), dim(k, 3)
         if isinstance(hq, int) and isinstance(hk, int) and hq != hk:
             return "Q and K head sizes differ"
-        nq, nk, nv = dim(q, 1), dim(k, 1), dim(v, 1)
+        nq, nk, nv = _head_count(q), _head_count(k), _head_count(v)
         if not all(isinstance(n, int) for n in (nq, nk, nv)):
             return "head counts are not static"
         if nk != nv or nq % nk:
@@ -310,6 +311,72 @@ class DecomposedAttentionToAttention(Rule):
         if guarded and m.mask is not None and not _proven_finite(m.mask):
             return "the softmax NaN guard is kept: the mask is not proven finite"
         return None
+
+
+_ELEMENTWISE = ("Add", "Sub", "Mul", "Div", "Neg", "Cast", "Identity", "Where")
+_LAST_AXIS = ((-1,), (3,))
+
+
+def _head_count(value: ir.Value, depth: int = 0) -> int | None:
+    """The static size of axis 1 (heads) of a rank-4 (B, N, S, H) value.
+
+    From its shape when ONNX inference knew it; else from the op that made it: the target of
+    a Reshape (repeat_kv), ``Transpose(Reshape(x, [B, S, N or -1, H]), [0, 2, 1, 3])`` (the
+    projection; -1 resolved from x's static width), or through ops that keep or broadcast the
+    head axis (elementwise ops: the broadcast maximum of their rank-4 operands; Slice and
+    Concat on the last axis; RotaryEmbedding).
+    """
+    known = dim(value, 1)
+    if isinstance(known, int):
+        return known
+    node = value.producer()
+    if node is None or depth > 10 or node.domain != "":
+        return None
+    op = node.op_type
+    if op == "Reshape":
+        target = shape_vector(node.inputs[1])
+        got = target[1] if target is not None and len(target) == 4 else None
+        return got if isinstance(got, int) and got > 0 else None
+    if op == "Transpose" and list(attr(node, "perm", [])) == [0, 2, 1, 3]:
+        reshape = producer(node.inputs[0], "Reshape")
+        target = shape_vector(reshape.inputs[1]) if reshape else None
+        if target is None or len(target) != 4 or not isinstance(target[3], int):
+            return None
+        heads, head_size = target[2], target[3]
+        if isinstance(heads, int) and heads > 0:
+            return heads
+        width = last_dim(reshape.inputs[0])
+        if heads == -1 and width and head_size > 0 and width % head_size == 0:
+            return width // head_size
+        return None
+    if op == "Slice":
+        axes = const_ints(node.inputs[3]) if len(node.inputs) > 3 else None
+        return _head_count(node.inputs[0], depth + 1) if axes in ([-1], [3]) else None
+    if op == "Concat":
+        if attr(node, "axis") not in (-1, 3):
+            return None
+        return _head_count(node.inputs[0], depth + 1)
+    if op == "RotaryEmbedding":
+        return _head_count(node.inputs[0], depth + 1)
+    if op in _ELEMENTWISE:
+        counts = []
+        for operand in node.inputs:
+            if operand is None or (
+                operand.const_value is not None
+                and operand.shape is not None
+                and len(operand.shape) < 2
+            ):
+                continue
+            if _rank(operand) != 4:
+                if _rank(operand) is None or _rank(operand) > 4:
+                    return None
+                continue  # a lower-rank operand broadcasts over the head axis
+            got = _head_count(operand, depth + 1)
+            if got is None:
+                return None
+            counts.append(got)
+        return max(counts) if counts else None
+    return None
 
 
 def _single_consumer(value: ir.Value) -> ir.Node | None:
