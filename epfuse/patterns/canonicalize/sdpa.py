@@ -290,7 +290,9 @@ class DecomposedAttentionToAttention(Rule):
                 return f"{name} is not floating point"
         if not (q.dtype == k.dtype == v.dtype):
             return "Q, K and V differ in dtype"
-        axis = attr(softmax, "axis", -1)
+        axis = attr(softmax, "axis")
+        if axis is None:  # the default was 1 (on a 2-D coercion) before opset 13
+            axis = -1 if _default_opset(softmax) >= 13 else 1
         if axis not in (-1, 3):
             return f"softmax over axis {axis}, not the key axis"
         hq, hk = dim(q, 3), dim(k, 3)
@@ -377,6 +379,12 @@ def _head_count(value: ir.Value, depth: int = 0) -> int | None:
             counts.append(got)
         return max(counts) if counts else None
     return None
+
+
+def _default_opset(node: ir.Node) -> int:
+    graph = node.graph
+    opsets = graph.opset_imports if graph is not None else {}
+    return opsets.get("", opsets.get("ai.onnx", 1))
 
 
 def _single_consumer(value: ir.Value) -> ir.Node | None:
