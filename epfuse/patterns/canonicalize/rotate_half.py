@@ -197,9 +197,9 @@ class RotateHalfToRotaryEmbedding(Rule):
         target = node.outputs[0]
         source = x
         if partial is not None:
-            source, concat = partial
+            source, concat, tail = partial
             attributes["rotary_embedding_dim"] = width
-            chain = [concat, *chain, x.producer()]
+            chain = [concat, *chain, x.producer(), tail]
             target = concat.outputs[0]
         rope = ir.node(
             "RotaryEmbedding",
@@ -247,7 +247,7 @@ class RotateHalfToRotaryEmbedding(Rule):
 
     @staticmethod
     def _partial(node: ir.Node, x: ir.Value):
-        """(full input, Concat) when x = full[..., :R] and the result is concatenated back
+        """(full input, Concat, pass-through Slice) when x = full[..., :R] and the result is concatenated back
         with full[..., R:] on the last axis."""
         head = producer(x, "Slice")
         if head is None:
@@ -270,4 +270,4 @@ class RotateHalfToRotaryEmbedding(Rule):
         got = _last_axis_slice(tail, full, 4) if tail else None
         if got is None or got[0] != width or got[1] < _static_last(full):
             return None
-        return full, concat
+        return full, concat, tail

@@ -1,6 +1,9 @@
-"""The rotate-half arithmetic of an export becomes RotaryEmbedding only when it is exactly it."""
+"""Rotate-half RoPE -> ONNX RotaryEmbedding, then constant caches: small graphs run on ORT
+before and after; forms that are not provably rotate-half are left alone."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 import onnx
@@ -10,90 +13,162 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from epfuse.capabilities import get_ep
+from epfuse.optimizer.manager import _infer_types
 from epfuse.patterns import Kept, OptimizeOptions, RewriteContext, Rewritten
+from epfuse.patterns.canonicalize.rope_caches import RopeCosSinToCaches
 from epfuse.patterns.canonicalize.rotate_half import RotateHalfToRotaryEmbedding
 
-B, N, S, H = 2, 3, 5, 8
+B, N, S, H = 2, 3, 5, 16
+BIG = 2**63 - 1
 
 
-def _model(*, swap_halves: bool = False, split: int = H // 2) -> onnx.ModelProto:
-    """y = x * [c, c] + [-x2, x1] * [s, s] as torch.onnx writes HF's apply_rotary_pos_emb."""
-    consts = {
-        "zero": [0],
-        "half": [split],
-        "end": [2**63 - 1],
-        "axis": [3],
-        "one": [1],
-    }
-    inits = [numpy_helper.from_array(np.array(v, np.int64), k) for k, v in consts.items()]
-    nodes = [
-        helper.make_node("Slice", ["x", "zero", "half", "axis", "one"], ["x1"]),
-        helper.make_node("Slice", ["x", "half", "end", "axis", "one"], ["x2"]),
-        helper.make_node("Neg", ["x2"], ["neg"]),
-        helper.make_node(
-            "Concat", ["x1", "neg"] if swap_halves else ["neg", "x1"], ["rot"], axis=-1
-        ),
-        helper.make_node("Concat", ["c", "c"], ["cc"], axis=-1),
-        helper.make_node("Concat", ["s", "s"], ["ss"], axis=-1),
-        helper.make_node("Unsqueeze", ["cc", "one"], ["c4"]),
-        helper.make_node("Unsqueeze", ["ss", "one"], ["s4"]),
-        helper.make_node("Mul", ["x", "c4"], ["xc"]),
-        helper.make_node("Mul", ["rot", "s4"], ["rs"]),
-        helper.make_node("Add", ["xc", "rs"], ["rotated"]),
-        helper.make_node("Identity", ["rotated"], ["y"]),
+@dataclasses.dataclass
+class Variant:
+    rotary: int = H  # < H: partial rotary, rest passed through
+    scaling: float | None = None  # attention_scaling Mul on cos/sin
+    dtype: int = TensorProto.FLOAT
+    halves: str = "same"  # "same" (Concat(f, f)) | "different" (Concat(f, 2f))
+    order: str = "neg-first"  # "neg-first" (HF) | "swapped" (Concat(x1, -x2): not rotate-half)
+    split: int | None = None  # first-half width (default rotary // 2)
+
+
+def _graph(v: Variant) -> onnx.ModelProto:
+    np_dtype = helper.tensor_dtype_to_np_dtype(v.dtype)
+    nodes, inits = [], []
+
+    def const(name, value, dtype=np.int64):
+        inits.append(numpy_helper.from_array(np.array(value, dtype=dtype), name))
+        return name
+
+    def op(op_type, inputs, out, **attrs):
+        nodes.append(helper.make_node(op_type, inputs, [out], **attrs))
+        return out
+
+    half = v.rotary // 2
+    inv_freq = 1.0 / (10000.0 ** (np.arange(0, v.rotary, 2) / v.rotary))
+    pos = op("Cast", [op("Unsqueeze", ["position_ids", const("a2", [2])], "p3")], "pf", to=1)
+    freqs = op("Mul", [pos, const("inv_freq", inv_freq, np.float32)], "freqs")
+    second = freqs
+    if v.halves == "different":
+        second = op("Mul", [freqs, const("two", 2.0, np.float32)], "freqs2")
+    emb = op("Concat", [freqs, second], "emb", axis=-1)
+    cos, sin = op("Cos", [emb], "cos"), op("Sin", [emb], "sin")
+    if v.dtype != TensorProto.FLOAT:
+        cos, sin = op("Cast", [cos], "cos_t", to=v.dtype), op("Cast", [sin], "sin_t", to=v.dtype)
+    if v.scaling is not None:
+        scale = const("scaling", v.scaling, np_dtype)
+        cos, sin = op("Mul", [cos, scale], "cos_s"), op("Mul", [sin, scale], "sin_s")
+    cos4 = op("Unsqueeze", [cos, const("a1", [1])], "cos4")
+    sin4 = op("Unsqueeze", [sin, "a1"], "sin4")
+
+    def last_slice(x, start, end, out):
+        return op("Slice", [x, const(f"{out}_s", [start]), const(f"{out}_e", [end]), "ax3"], out)
+
+    const("ax3", [3])
+    x = "x"
+    if v.rotary < H:
+        x = last_slice("x", 0, v.rotary, "x_rot")
+    split = v.split or half
+    x1, x2 = last_slice(x, 0, split, "x1"), last_slice(x, split, BIG, "x2")
+    neg = op("Neg", [x2], "neg")
+    parts = [neg, x1] if v.order == "neg-first" else [x1, neg]
+    turned = op("Concat", parts, "turned", axis=-1)
+    y = op("Add", [op("Mul", [x, cos4], "xc"), op("Mul", [turned, sin4], "xs")], "y_rot")
+    if v.rotary < H:
+        y = op("Concat", [y, last_slice("x", v.rotary, BIG, "x_pass")], "y_cat", axis=-1)
+    op("Identity", [y], "y")
+    inputs = [
+        helper.make_tensor_value_info("x", v.dtype, ["batch", N, "seq", H]),
+        helper.make_tensor_value_info("position_ids", TensorProto.INT64, ["batch", "seq"]),
     ]
-    f = TensorProto.FLOAT
     graph = helper.make_graph(
         nodes,
         "rope",
-        [
-            helper.make_tensor_value_info("x", f, ["batch", N, "seq", H]),
-            helper.make_tensor_value_info("c", f, ["batch", "seq", H // 2]),
-            helper.make_tensor_value_info("s", f, ["batch", "seq", H // 2]),
-        ],
-        [helper.make_tensor_value_info("y", f, ["batch", N, "seq", H])],
-        initializer=inits,
+        inputs,
+        [helper.make_tensor_value_info("y", v.dtype, ["batch", N, "seq", H])],
+        inits,
     )
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23)], ir_version=10)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
 
 
-def _apply(proto: onnx.ModelProto, ep: str = "cpu"):
-    model = ir.serde.deserialize_model(proto)
-    ctx = RewriteContext(model, get_ep(ep), "float32", OptimizeOptions())
-    add = next(n for n in model.graph if n.op_type == "Add")
-    return RotateHalfToRotaryEmbedding().apply(add, ctx), ir.serde.serialize_model(model)
+def _ctx(model: onnx.ModelProto):
+    ir_model = ir.serde.deserialize_model(model)
+    _infer_types(ir_model)
+    dtype = "float16" if model.graph.input[0].type.tensor_type.elem_type == 10 else "float32"
+    return ir_model, RewriteContext(ir_model, get_ep("cpu"), dtype, OptimizeOptions(256))
 
 
-def _run(proto, feeds):
-    sess = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
-    return sess.run(None, feeds)[0]
+def _rope_add(ir_model: ir.Model) -> ir.Node:
+    return next(n for n in ir_model.graph if n.op_type == "Add" and n.outputs[0].name == "y_rot")
 
 
-def test_lifts_to_rotary_embedding_and_stays_equal():
-    original = _model()
-    outcome, rewritten = _apply(original)
-    assert isinstance(outcome, Rewritten)
-    ropes = [n for n in rewritten.graph.node if n.op_type == "RotaryEmbedding"]
-    assert len(ropes) == 1 and list(ropes[0].input) == ["x", "c", "s"]
-    assert not any(n.op_type == "Add" for n in rewritten.graph.node)
+def _run(model: onnx.ModelProto, feeds) -> np.ndarray:
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    session = ort.InferenceSession(
+        model.SerializeToString(), options, providers=["CPUExecutionProvider"]
+    )
+    return session.run(None, feeds)[0]
+
+
+def _feeds(dtype) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(0)
-    angles = rng.uniform(0, 6, (B, S, H // 2))
-    feeds = {
-        "x": rng.standard_normal((B, N, S, H)).astype(np.float32),
-        "c": np.cos(angles).astype(np.float32),
-        "s": np.sin(angles).astype(np.float32),
-    }
-    # the same products and sums; ORT's kernel may round them differently (fused multiply-add)
-    np.testing.assert_allclose(_run(rewritten, feeds), _run(original, feeds), atol=1e-6, rtol=1e-6)
+    x = rng.standard_normal((B, N, S, H)).astype(helper.tensor_dtype_to_np_dtype(dtype))
+    positions = np.array([[0, 1, 2, 3, 4], [7, 8, 9, 200, 255]], dtype=np.int64)
+    return {"x": x, "position_ids": positions}
 
 
-@pytest.mark.parametrize("variant", [{"swap_halves": True}, {"split": 3}])
-def test_other_arithmetic_is_not_matched(variant):
-    outcome, _ = _apply(_model(**variant))
-    assert outcome is None
+FUSED = {
+    "full": Variant(),
+    "attention-scaling": Variant(scaling=0.75),
+    "partial": Variant(rotary=8),
+    "fp16-cast": Variant(dtype=TensorProto.FLOAT16),
+}
 
 
-def test_ep_without_rotary_embedding_keeps_it():
-    outcome, rewritten = _apply(_model(), ep="dml")
-    assert isinstance(outcome, Kept) and "no ONNX RotaryEmbedding" in outcome.reason
-    assert not any(n.op_type == "RotaryEmbedding" for n in rewritten.graph.node)
+@pytest.mark.parametrize("name", list(FUSED))
+def test_rotate_half_becomes_rotary_embedding_then_caches(name):
+    v = FUSED[name]
+    original = _graph(v)
+    ir_model, ctx = _ctx(original)
+    outcome = RotateHalfToRotaryEmbedding().apply(_rope_add(ir_model), ctx)
+    assert isinstance(outcome, Rewritten), outcome
+    rope = next(n for n in ir_model.graph if n.op_type == "RotaryEmbedding")
+    assert rope.attributes["interleaved"].value == 0
+    width = rope.attributes.get("rotary_embedding_dim")
+    assert (width.value if width else H) == v.rotary
+    assert rope.inputs[0].name == "x"  # partial: the whole head, the rest passed through
+    assert ir_model.opset_imports[""] == 23
+    stage1 = ir.to_proto(ir_model)
+    onnx.checker.check_model(stage1, full_check=True)
+    assert not {"Neg", "Slice"} & {n.op_type for n in stage1.graph.node}
+
+    # The half-width cos/sin are the form rope_caches proves and turns into caches.
+    outcome = RopeCosSinToCaches().apply(rope, ctx)
+    assert isinstance(outcome, Rewritten), outcome
+    cos_cache = rope.inputs[1].const_value.numpy()
+    assert cos_cache.shape == (256, v.rotary // 2)
+    stage2 = ir.to_proto(ir_model)
+    onnx.checker.check_model(stage2, full_check=True)
+
+    feeds = _feeds(v.dtype)
+    want = _run(original, feeds).astype(np.float32)
+    tol = 2e-3 if v.dtype == TensorProto.FLOAT16 else 1e-5
+    for model in (stage1, stage2):
+        np.testing.assert_allclose(_run(model, feeds).astype(np.float32), want, atol=tol, rtol=tol)
+
+
+def test_unequal_halves_are_kept():
+    """cos = Cos(Concat(f, 2f)) is not [c, c]: taking its first half would be wrong."""
+    ir_model, ctx = _ctx(_graph(Variant(halves="different")))
+    outcome = RotateHalfToRotaryEmbedding().apply(_rope_add(ir_model), ctx)
+    assert isinstance(outcome, Kept) and "halves" in outcome.reason
+    assert not any(n.op_type == "RotaryEmbedding" for n in ir_model.graph)
+    assert ir_model.opset_imports[""] == 18
+
+
+@pytest.mark.parametrize("variant", [Variant(order="swapped"), Variant(split=6)])
+def test_other_rotations_are_not_matched(variant):
+    ir_model, ctx = _ctx(_graph(variant))
+    assert RotateHalfToRotaryEmbedding().apply(_rope_add(ir_model), ctx) is None
+    assert not any(n.op_type == "RotaryEmbedding" for n in ir_model.graph)
