@@ -10,7 +10,7 @@ defaults keep the old behaviour; they are checked against the ONNX changelog:
 * opset 19: Cast/CastLike (float8 types; ``saturate`` only affects float8 targets),
   Constant/Identity/If/Loop/Scan/Shape/Size/Reshape (float8 types), Equal (string),
   Pad (new ``wrap`` mode), Resize (new ``half_pixel_symmetric`` mode), AveragePool
-  (``dilations``, default 1), Quantize/DequantizeLinear and DeformConv (types);
+  (``dilations``, default 1), Quantize/DequantizeLinear (types);
 * opset 20: IsNaN/IsInf/ConstantOfShape (float8 types), ReduceMax/ReduceMin (bool);
 * opset 21: int4/uint4 types for the opset-19 list and Flatten/Squeeze/Unsqueeze/Transpose/
   QLinearMatMul; Quantize/DequantizeLinear block quantization (``block_size`` default 0);
@@ -52,7 +52,6 @@ TYPE_ONLY_UPDATES: frozenset[str] = frozenset(
         "Equal",
         "Resize",
         "AveragePool",
-        "DeformConv",
         "IsNaN",
         "IsInf",
         "ReduceMax",
