@@ -98,25 +98,30 @@ def _unsqueezed_heads(value: ir.Value, chain: list[ir.Node]) -> ir.Value | None:
 
 
 def _half_plan(full: ir.Value, trig: str):
-    """(trig node, f, [Cast/Mul steps]) when ``full = [Mul s][Cast] trig(Concat(f, f))``:
-    each half of ``full`` is then exactly ``[Mul s][Cast] trig(f)``."""
-    steps: list[ir.Node] = []
+    """(trig node, f, [Cast/Mul steps, innermost first]) when ``full`` is ``trig(Concat(f, f))``
+    under at most one ``Mul`` by a scalar constant and one ``Cast`` (in either order): each half
+    of ``full`` is then exactly the same steps applied to ``trig(f)``."""
+    outer_first: list[ir.Node] = []
     value = full
-    node = value.producer()
-    if node is not None and node.op_type == "Mul":
-        for b in (0, 1):
-            operand = node.inputs[b]
-            shape = operand.shape
-            if const_scalar(operand) is not None and shape is not None and len(shape) <= 1:
-                steps.append(node)
-                value = node.inputs[1 - b]
-                break
+    for _ in range(2):
+        node = value.producer()
+        if node is None or node.domain != "" or any(n.op_type == node.op_type for n in outer_first):
+            break
+        if node.op_type == "Cast":
+            outer_first.append(node)
+            value = node.inputs[0]
+        elif node.op_type == "Mul":
+            for b in (0, 1):
+                operand = node.inputs[b]
+                shape = operand.shape
+                if const_scalar(operand) is not None and shape is not None and len(shape) <= 1:
+                    outer_first.append(node)
+                    value = node.inputs[1 - b]
+                    break
+            else:
+                return None
         else:
-            return None
-    cast = producer(value, "Cast")
-    if cast is not None:
-        steps.append(cast)
-        value = cast.inputs[0]
+            break
     trig_node = producer(value, trig)
     concat = producer(trig_node.inputs[0], "Concat") if trig_node else None
     if concat is None or len(concat.inputs) != 2 or attr(concat, "axis") not in (-1, 2):
@@ -124,7 +129,7 @@ def _half_plan(full: ir.Value, trig: str):
     f = concat.inputs[0]
     if concat.inputs[1] is not f or f.shape is None or len(f.shape) != 3:
         return None
-    return trig_node, f, list(reversed(steps))
+    return trig_node, f, list(reversed(outer_first))
 
 
 def _half(ctx: RewriteContext, full: ir.Value, plan, before: ir.Node) -> ir.Value:
@@ -158,7 +163,7 @@ def _swap(template: ir.Node, value: ir.Value) -> list[ir.Value]:
     """The template's inputs with its (single) non-constant input replaced by ``value``."""
     if template.op_type == "Cast":
         return [value]
-    return [value if i.const_value is None else i for i in template.inputs]
+    return [value if const_scalar(i) is None else i for i in template.inputs]
 
 
 class RotateHalfToRotaryEmbedding(Rule):

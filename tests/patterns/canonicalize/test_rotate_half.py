@@ -30,6 +30,8 @@ class Variant:
     halves: str = "same"  # "same" (Concat(f, f)) | "different" (Concat(f, 2f))
     order: str = "neg-first"  # "neg-first" (HF) | "swapped" (Concat(x1, -x2): not rotate-half)
     split: int | None = None  # first-half width (default rotary // 2)
+    scale_then_cast: bool = False  # HF: (cos(emb) * scaling).to(dtype), vs Cast then Mul
+    freqs_form: str = "mul"  # "mul" (torch folds the K=1 matmul) | "matmul" (HF's expanded)
 
 
 def _graph(v: Variant) -> onnx.ModelProto:
@@ -44,21 +46,39 @@ def _graph(v: Variant) -> onnx.ModelProto:
         nodes.append(helper.make_node(op_type, inputs, [out], **attrs))
         return out
 
+    const("a1", [1])
     half = v.rotary // 2
     inv_freq = 1.0 / (10000.0 ** (np.arange(0, v.rotary, 2) / v.rotary))
-    pos = op("Cast", [op("Unsqueeze", ["position_ids", const("a2", [2])], "p3")], "pf", to=1)
-    freqs = op("Mul", [pos, const("inv_freq", inv_freq, np.float32)], "freqs")
+    if v.freqs_form == "matmul":
+        # inv_freq[None, :, None].expand(B, -1, 1) @ position_ids[:, None, :].float(), then .T
+        inv3 = op(
+            "Unsqueeze", [const("inv_freq", inv_freq, np.float32), const("a02", [0, 2])], "i3"
+        )
+        batch = op("Shape", ["position_ids"], "batch", start=0, end=1)
+        target = op("Concat", [batch, const("tail", [half, 1])], "target", axis=0)
+        expanded = op("Expand", [inv3, target], "inv_expanded")
+        pos = op("Cast", [op("Unsqueeze", ["position_ids", "a1"], "p3")], "pf", to=1)
+        freqs = op("Transpose", [op("MatMul", [expanded, pos], "mm")], "freqs", perm=[0, 2, 1])
+    else:
+        pos = op("Cast", [op("Unsqueeze", ["position_ids", const("a2", [2])], "p3")], "pf", to=1)
+        freqs = op("Mul", [pos, const("inv_freq", inv_freq, np.float32)], "freqs")
     second = freqs
     if v.halves == "different":
         second = op("Mul", [freqs, const("two", 2.0, np.float32)], "freqs2")
     emb = op("Concat", [freqs, second], "emb", axis=-1)
     cos, sin = op("Cos", [emb], "cos"), op("Sin", [emb], "sin")
-    if v.dtype != TensorProto.FLOAT:
-        cos, sin = op("Cast", [cos], "cos_t", to=v.dtype), op("Cast", [sin], "sin_t", to=v.dtype)
-    if v.scaling is not None:
-        scale = const("scaling", v.scaling, np_dtype)
-        cos, sin = op("Mul", [cos, scale], "cos_s"), op("Mul", [sin, scale], "sin_s")
-    cos4 = op("Unsqueeze", [cos, const("a1", [1])], "cos4")
+    steps = ["cast", "scale"] if not v.scale_then_cast else ["scale", "cast"]
+    for step in steps:
+        if step == "cast" and v.dtype != TensorProto.FLOAT:
+            cos, sin = (
+                op("Cast", [cos], "cos_t", to=v.dtype),
+                op("Cast", [sin], "sin_t", to=v.dtype),
+            )
+        if step == "scale" and v.scaling is not None:
+            scale_dtype = np.float32 if v.scale_then_cast else np_dtype
+            scale = const("scaling", v.scaling, scale_dtype)
+            cos, sin = op("Mul", [cos, scale], "cos_s"), op("Mul", [sin, scale], "sin_s")
+    cos4 = op("Unsqueeze", [cos, "a1"], "cos4")
     sin4 = op("Unsqueeze", [sin, "a1"], "sin4")
 
     def last_slice(x, start, end, out):
@@ -123,6 +143,9 @@ FUSED = {
     "attention-scaling": Variant(scaling=0.75),
     "partial": Variant(rotary=8),
     "fp16-cast": Variant(dtype=TensorProto.FLOAT16),
+    "fp16-scaled-then-cast": Variant(dtype=TensorProto.FLOAT16, scaling=0.8, scale_then_cast=True),
+    "matmul-freqs": Variant(freqs_form="matmul"),
+    "matmul-freqs-partial-scaled": Variant(freqs_form="matmul", rotary=8, scaling=1.25),
 }
 
 
