@@ -234,6 +234,7 @@ class DecomposedAttentionToAttention(Rule):
         reason = self._check(node, q, k, v, m, guarded)
         if reason:
             return Kept(reason)
+        heads = [_head_count(x) for x in (q, k, v)]
         reason = require_default_opset(ctx.model, 23, ctx.cache)
         if reason:
             return Kept(reason)
@@ -251,6 +252,8 @@ class DecomposedAttentionToAttention(Rule):
             metadata_props=dict(pv.metadata_props),
         )
         ctx.graph.insert_before(pv, fused)
+        for value, count in zip((q, k, v), heads, strict=True):
+            _record_heads(value, count)
         y, old = fused.outputs[0], pv.outputs[0]
         y.shape, y.type = old.shape, old.type
         if old.name and not old.is_graph_output():
@@ -379,6 +382,16 @@ def _head_count(value: ir.Value, depth: int = 0) -> int | None:
             counts.append(got)
         return max(counts) if counts else None
     return None
+
+
+def _record_heads(value: ir.Value, heads: int) -> None:
+    """Write a proven head count into a value's shape where ONNX inference left it unknown,
+    so later rules (GQA lowering) read it without re-deriving it."""
+    if value.shape is None or isinstance(value.shape[1], int) or value.is_graph_input():
+        return  # known already, or part of the model's signature (left as declared)
+    dims = list(value.shape)
+    dims[1] = heads
+    value.shape = ir.Shape(dims)
 
 
 def _default_opset(node: ir.Node) -> int:

@@ -264,3 +264,20 @@ def test_builder_decoder_default_ep_is_standard_onnx(dtype):
     assert not {"Softmax", "Cos", "Sin", "Neg", "Pow"} & set(ops)
     assert all(n.domain in ("", "ai.onnx") for n in optimized.graph.node)
     assert_equivalent(original, optimized)
+
+
+def test_ep_without_rope_or_norm_ops_keeps_them_decomposed():
+    """DML has GQA but neither RotaryEmbedding nor RMSNormalization: the attention is lifted
+    and lowered (rotation outside, do_rotary=0); RoPE and norms stay as they were."""
+    original = build_decoder(DecoderConfig(style="torch18"))
+    optimized, report = epfuse.optimize_with_report(original, "dml")
+    rules = {r.name: r for r in report.rules}
+    assert not rules["rotate-half-to-rotary-embedding"].selected
+    assert not rules["decomposed-rmsnorm-to-rmsnormalization"].selected
+    assert (
+        "RMSNormalization" in rules["decomposed-rmsnorm-to-rmsnormalization"].not_selected_because
+    )
+    assert [layer.result for layer in report.layers] == ["GroupQueryAttention(do_rotary=0)"] * 2
+    ops = {n.op_type for n in optimized.graph.node}
+    assert {"Neg", "Pow", "Cos"} <= ops and not {"Softmax", "RotaryEmbedding"} & ops
+    assert_equivalent(original, optimized)
