@@ -26,6 +26,7 @@ import onnx_ir as ir
 
 from .._graph import (
     attr,
+    const_array,
     const_ints,
     const_scalar,
     input_at,
@@ -97,10 +98,65 @@ def _unsqueezed_heads(value: ir.Value, chain: list[ir.Node]) -> ir.Value | None:
     return c
 
 
+def _same_computation(a: ir.Value, b: ir.Value, depth: int = 0) -> bool:
+    """a and b are provably equal: the same value, equal constants, or outputs of the same op
+    (type, attributes, output index) on provably equal inputs. Exporters sometimes emit a
+    duplicated subgraph instead of reusing one value."""
+    if a is b:
+        return True
+    if depth > 8 or a is None or b is None:
+        return False
+    ca, cb = const_array(a), const_array(b)
+    if ca is not None or cb is not None:
+        return (
+            ca is not None
+            and cb is not None
+            and ca.dtype == cb.dtype
+            and (ca.shape == cb.shape and bool((ca == cb).all()))
+        )
+    na, nb = a.producer(), b.producer()
+    if na is None or nb is None or (na.domain, na.op_type) != (nb.domain, nb.op_type):
+        return False
+    if a.index() != b.index() or len(na.inputs) != len(nb.inputs):
+        return False
+    if na.op_type in _NONDETERMINISTIC:
+        return False
+    attrs_a = {k: repr(v.value) for k, v in na.attributes.items()}
+    attrs_b = {k: repr(v.value) for k, v in nb.attributes.items()}
+    if attrs_a != attrs_b:
+        return False
+    return all(
+        _same_computation(x, y, depth + 1) for x, y in zip(na.inputs, nb.inputs, strict=True)
+    )
+
+
+_NONDETERMINISTIC = (
+    "RandomNormal",
+    "RandomNormalLike",
+    "RandomUniform",
+    "RandomUniformLike",
+    "Multinomial",
+    "Bernoulli",
+    "Dropout",
+)
+
+
+def _equal_halves(value: ir.Value) -> ir.Value | None:
+    """h when ``value = Concat(h, h')`` on the last axis with h' provably equal to h."""
+    concat = producer(value, "Concat")
+    if concat is None or len(concat.inputs) != 2 or attr(concat, "axis") not in (-1, 2):
+        return None
+    h = concat.inputs[0]
+    if h is None or h.shape is None or len(h.shape) != 3:
+        return None
+    return h if _same_computation(h, concat.inputs[1]) else None
+
+
 def _half_plan(full: ir.Value, trig: str):
-    """(trig node, f, [Cast/Mul steps, innermost first]) when ``full`` is ``trig(Concat(f, f))``
-    under at most one ``Mul`` by a scalar constant and one ``Cast`` (in either order): each half
-    of ``full`` is then exactly the same steps applied to ``trig(f)``."""
+    """(trig node or None, h, [Cast/Mul steps, innermost first]) when ``full`` is, under at
+    most one ``Mul`` by a scalar constant and one ``Cast`` (in either order), either
+    ``trig(Concat(f, f))`` (h = f, trig re-applied) or ``Concat(t, t)`` (h = t): each half of
+    ``full`` is then exactly the same steps applied to ``trig(f)`` (or t)."""
     outer_first: list[ir.Node] = []
     value = full
     for _ in range(2):
@@ -122,30 +178,37 @@ def _half_plan(full: ir.Value, trig: str):
                 return None
         else:
             break
+    steps = list(reversed(outer_first))
+    half = _equal_halves(value)
+    if half is not None:
+        return None, half, steps
     trig_node = producer(value, trig)
-    concat = producer(trig_node.inputs[0], "Concat") if trig_node else None
-    if concat is None or len(concat.inputs) != 2 or attr(concat, "axis") not in (-1, 2):
+    half = _equal_halves(trig_node.inputs[0]) if trig_node else None
+    if half is None:
         return None
-    f = concat.inputs[0]
-    if concat.inputs[1] is not f or f.shape is None or len(f.shape) != 3:
-        return None
-    return trig_node, f, list(reversed(outer_first))
+    return trig_node, half, steps
 
 
 def _half(ctx: RewriteContext, full: ir.Value, plan, before: ir.Node) -> ir.Value:
     """Build (once per ``full``, so Q and K share it) the half-width value of a plan."""
     key = ("rotate-half", id(full))
     if key not in ctx.cache:
-        ctx.cache[key] = _rebuild(ctx.graph, before, *plan)
+        prefix = f"epfuse/rope_half/{full.name or len(ctx.cache)}"
+        ctx.cache[key] = _rebuild(ctx.graph, before, prefix, *plan)
     return ctx.cache[key]
 
 
 def _rebuild(
-    graph: ir.Graph, before: ir.Node, trig_node: ir.Node, f: ir.Value, steps: list[ir.Node]
+    graph: ir.Graph,
+    before: ir.Node,
+    prefix: str,
+    trig_node: ir.Node | None,
+    half: ir.Value,
+    steps: list[ir.Node],
 ) -> ir.Value:
-    prefix = f"epfuse/rope_half/{trig_node.name or trig_node.op_type}"
-    value = f
-    for i, template in enumerate([trig_node, *steps]):
+    templates = ([trig_node] if trig_node is not None else []) + steps
+    value = half
+    for i, template in enumerate(templates):
         inputs = [value] if template is trig_node else _swap(template, value)
         node = ir.node(
             template.op_type,

@@ -27,7 +27,10 @@ class Variant:
     rotary: int = H  # < H: partial rotary, rest passed through
     scaling: float | None = None  # attention_scaling Mul on cos/sin
     dtype: int = TensorProto.FLOAT
-    halves: str = "same"  # "same" (Concat(f, f)) | "different" (Concat(f, 2f))
+    # "same": Concat(f, f) | "twin": Concat(f, f') with f' a duplicate of f's subgraph |
+    # "after-trig": Concat(Cos(f), Cos(f')) | "different": Concat(f, 2f) |
+    # "lookalike": Concat(f, f') with f' the same ops on an inv_freq differing in one entry
+    halves: str = "same"
     order: str = "neg-first"  # "neg-first" (HF) | "swapped" (Concat(x1, -x2): not rotate-half)
     split: int | None = None  # first-half width (default rotary // 2)
     scale_then_cast: bool = False  # HF: (cos(emb) * scaling).to(dtype), vs Cast then Mul
@@ -65,8 +68,19 @@ def _graph(v: Variant) -> onnx.ModelProto:
     second = freqs
     if v.halves == "different":
         second = op("Mul", [freqs, const("two", 2.0, np.float32)], "freqs2")
-    emb = op("Concat", [freqs, second], "emb", axis=-1)
-    cos, sin = op("Cos", [emb], "cos"), op("Sin", [emb], "sin")
+    elif v.halves in ("twin", "after-trig", "lookalike"):
+        assert v.freqs_form == "mul"
+        other = inv_freq.copy()
+        if v.halves == "lookalike":
+            other[-1] *= 1.5
+        pos2 = op("Cast", [op("Unsqueeze", ["position_ids", "a2"], "p3b")], "pfb", to=1)
+        second = op("Mul", [pos2, const("inv_freq_b", other, np.float32)], "freqs_b")
+    if v.halves == "after-trig":
+        cos = op("Concat", [op("Cos", [freqs], "c1"), op("Cos", [second], "c2")], "cos", axis=-1)
+        sin = op("Concat", [op("Sin", [freqs], "s1"), op("Sin", [second], "s2")], "sin", axis=-1)
+    else:
+        emb = op("Concat", [freqs, second], "emb", axis=-1)
+        cos, sin = op("Cos", [emb], "cos"), op("Sin", [emb], "sin")
     steps = ["cast", "scale"] if not v.scale_then_cast else ["scale", "cast"]
     for step in steps:
         if step == "cast" and v.dtype != TensorProto.FLOAT:
@@ -145,6 +159,8 @@ FUSED = {
     "fp16-cast": Variant(dtype=TensorProto.FLOAT16),
     "fp16-scaled-then-cast": Variant(dtype=TensorProto.FLOAT16, scaling=0.8, scale_then_cast=True),
     "matmul-freqs": Variant(freqs_form="matmul"),
+    "duplicated-subgraph": Variant(halves="twin"),
+    "halves-after-trig-fp16": Variant(halves="after-trig", dtype=TensorProto.FLOAT16, scaling=0.5),
     "matmul-freqs-partial-scaled": Variant(freqs_form="matmul", rotary=8, scaling=1.25),
 }
 
@@ -181,9 +197,10 @@ def test_rotate_half_becomes_rotary_embedding_then_caches(name):
         np.testing.assert_allclose(_run(model, feeds).astype(np.float32), want, atol=tol, rtol=tol)
 
 
-def test_unequal_halves_are_kept():
-    """cos = Cos(Concat(f, 2f)) is not [c, c]: taking its first half would be wrong."""
-    ir_model, ctx = _ctx(_graph(Variant(halves="different")))
+@pytest.mark.parametrize("halves", ["different", "lookalike"])
+def test_unequal_halves_are_kept(halves):
+    """cos = Cos(Concat(f, g)) with g != f is not [c, c]: its first half would be wrong."""
+    ir_model, ctx = _ctx(_graph(Variant(halves=halves)))
     outcome = RotateHalfToRotaryEmbedding().apply(_rope_add(ir_model), ctx)
     assert isinstance(outcome, Kept) and "halves" in outcome.reason
     assert not any(n.op_type == "RotaryEmbedding" for n in ir_model.graph)
