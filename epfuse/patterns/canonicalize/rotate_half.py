@@ -236,7 +236,9 @@ class RotateHalfToRotaryEmbedding(Rule):
     description = "x*cos + rotate_half(x)*sin -> ONNX RotaryEmbedding (opset 23)"
 
     def requires(self, ops, ep):
-        if not (ops.rotary_embedding or (ops.gqa is not None and ops.gqa.fused_rotary)):
+        gqa = ops.gqa
+        fused = gqa is not None and gqa.fused_rotary and gqa.rotary_position_ids
+        if not (ops.rotary_embedding or fused):
             return f"{ep.name} runs neither ONNX RotaryEmbedding nor GQA's fused rotary"
         return None
 

@@ -234,6 +234,9 @@ class DecomposedAttentionToAttention(Rule):
         reason = self._check(node, q, k, v, m, guarded)
         if reason:
             return Kept(reason)
+        gqa = ctx.ops.gqa
+        if m.softcap and not (ctx.ops.attention_softcap or (gqa is not None and gqa.softcap)):
+            return Kept(f"{ctx.ep.name} applies a softcap in neither Attention nor GQA")
         heads = [_head_count(x) for x in (q, k, v)]
         reason = require_default_opset(ctx.model, 23, ctx.cache)
         if reason:

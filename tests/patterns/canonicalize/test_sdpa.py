@@ -131,10 +131,10 @@ def _run(model: onnx.ModelProto, feeds) -> np.ndarray:
     return session.run(None, feeds)[0]
 
 
-def _apply(model: onnx.ModelProto, dtype: str = "float32"):
+def _apply(model: onnx.ModelProto, dtype: str = "float32", ep: str = "cpu"):
     ir_model = ir.serde.deserialize_model(model)
     _infer_types(ir_model)  # as the pass manager does before any rule runs
-    ctx = RewriteContext(ir_model, get_ep("cpu"), dtype, OptimizeOptions())
+    ctx = RewriteContext(ir_model, get_ep(ep), dtype, OptimizeOptions())
     softmax = next(n for n in ir_model.graph if n.op_type == "Softmax")
     outcome = DecomposedAttentionToAttention().apply(softmax, ctx)
     return ir_model, outcome
@@ -201,6 +201,13 @@ def test_refuses_without_proof(name):
     proto = ir.to_proto(fused)
     assert [n.op_type for n in proto.graph.node] == [n.op_type for n in original.graph.node]
     assert proto.opset_import[0].version == 18  # nothing changed, not even the opset
+
+
+def test_softcap_kept_where_the_ep_cannot_apply_it():
+    """TensorRT-RTX: neither its Attention nor its GQA takes a softcap."""
+    fused, outcome = _apply(_graph(Variant(softcap=4.0)), "float16", ep="trt-rtx")
+    assert isinstance(outcome, Kept) and "softcap" in outcome.reason
+    assert not any(n.op_type == "Attention" for n in fused.graph)
 
 
 def test_wrong_transpose_is_not_attention():
