@@ -12,7 +12,9 @@ of two forms that epfuse must rewrite:
 - ``style="torch18"`` is the same export at opset 18, where torch.onnx has no Attention,
   RotaryEmbedding or RMSNormalization and writes them out: RMSNorm as
   Pow/ReduceMean/Add/Sqrt/Reciprocal/Mul (with Casts to float32 and back in half precision),
-  RoPE as rotate-half Slice/Neg/Concat/Mul/Add on ``Cos/Sin(Concat(freqs, freqs))``, and
+  RoPE as rotate-half Slice/Neg/Concat/Mul/Add on ``Cos/Sin(Concat(freqs, freqs))`` (or, with
+  ``interleaved``, GPT-J/Cohere's strided-Slice/stack/Reshape ``rotate_every_two`` on
+  ``Cos/Sin(repeat_interleave(freqs, 2))``), and
   attention as MatMul(Q*s, K^T*s) (``scale_form="split"``, torch's SDPA) or MatMul(Q, K^T)*s
   (``"scores"``, HF eager) + an additive ``Where(mask, 0, finfo.min)`` mask, Softmax, the
   NaN guard ``Where(IsNaN(P), 0, P)`` and MatMul(P, V). K^T is torch's
@@ -120,8 +122,6 @@ class DecoderConfig:
                 raise ValueError("mrope_layout must be 'sectioned' or 'interleaved'")
             if sum(self.sections) != self.rotary // 2 or min(self.sections) < 0:
                 raise ValueError(f"mrope_section must be >= 0 and sum to {self.rotary // 2}")
-        if self.style == "torch18" and self.interleaved:
-            raise ValueError("torch18 style has the rotate-half (non-interleaved) RoPE only")
         if self.scale_form not in ("split", "scores"):
             raise ValueError("scale_form must be 'split' or 'scores'")
         if self.k_transpose not in ("reshape", "perm"):
@@ -436,8 +436,15 @@ def _build_torch23(b: _GraphBuilder, cfg: DecoderConfig) -> None:
     pos = b.op("Unsqueeze", ["position_ids", b.ints(2)], "pos3")
     pos = b.op("Cast", [pos], "pos_float", to=TensorProto.FLOAT)
     freqs = b.op("Mul", [pos, "model.rotary_emb.inv_freq"], "freqs")
-    if decomposed:
+    if decomposed and cfg.interleaved:  # freqs.repeat_interleave(2, dim=-1)
+        pairs = b.op(
+            "Expand", [b.op("Unsqueeze", [freqs, b.ints(3)], "f4"), b.ints(1, 1, 1, 2)], "f2"
+        )
+        bs = b.op("Shape", [freqs], "freqs_bs", start=0, end=-1)
+        emb = b.op("Reshape", [pairs, b.op("Concat", [bs, b.ints(-1)], "emb_shape", axis=0)], "emb")
+    elif decomposed:
         emb = b.op("Concat", [freqs, freqs], "emb", axis=-1)
+    if decomposed:
         cos_full, sin_full = b.op("Cos", [emb], "cos"), b.op("Sin", [emb], "sin")
         if cfg.onnx_dtype != TensorProto.FLOAT:
             cos_full = b.op("Cast", [cos_full], "cos_cast", to=cfg.onnx_dtype)
@@ -456,9 +463,20 @@ def _build_torch23(b: _GraphBuilder, cfg: DecoderConfig) -> None:
     def rotate_half(t: str, hint: str) -> str:
         r = cfg.rotary
         rot = last_slice(t, 0, r, f"{hint}_rot") if cfg.rotary_dim is not None else t
-        x1 = last_slice(rot, 0, r // 2, f"{hint}_x1")
-        x2 = last_slice(rot, r // 2, i64_max, f"{hint}_x2")
-        turned = b.op("Concat", [b.op("Neg", [x2], f"{hint}_neg"), x1], f"{hint}_rh", axis=-1)
+        if cfg.interleaved:  # GPT-J / Cohere rotate_every_two
+            ends, axis3, two = b.ints(i64_max), b.ints(3), b.ints(2)
+            x1 = b.op("Slice", [rot, b.ints(0), ends, axis3, two], f"{hint}_even")
+            x2 = b.op("Slice", [rot, b.ints(1), ends, axis3, two], f"{hint}_odd")
+            neg = b.op("Unsqueeze", [b.op("Neg", [x2], f"{hint}_neg"), b.ints(-1)], f"{hint}_n5")
+            pos = b.op("Unsqueeze", [x1, b.ints(-1)], f"{hint}_p5")
+            stack = b.op("Concat", [neg, pos], f"{hint}_stack", axis=-1)
+            bns = b.op("Shape", [rot], f"{hint}_bns", start=0, end=3)
+            flat = b.op("Concat", [bns, b.ints(r)], f"{hint}_flat", axis=0)
+            turned = b.op("Reshape", [stack, flat], f"{hint}_rh")
+        else:
+            x1 = last_slice(rot, 0, r // 2, f"{hint}_x1")
+            x2 = last_slice(rot, r // 2, i64_max, f"{hint}_x2")
+            turned = b.op("Concat", [b.op("Neg", [x2], f"{hint}_neg"), x1], f"{hint}_rh", axis=-1)
         y = b.op(
             "Add",
             [b.op("Mul", [rot, cos4], f"{hint}_c"), b.op("Mul", [turned, sin4], f"{hint}_s")],

@@ -29,10 +29,12 @@ from .._graph import (
     const_array,
     const_ints,
     const_scalar,
+    dim,
     input_at,
     producer,
     remove_dead,
     replace_value,
+    shape_vector,
 )
 from .._opset import require_default_opset
 from ..base import Kept, RewriteContext, Rewritten, Rule, Stage
@@ -84,6 +86,94 @@ def _rotate_half_source(rotated: ir.Value, chain: list[ir.Node]) -> ir.Value | N
         return None
     chain.extend([concat, neg, second, first])
     return x
+
+
+def _strided_slice(node: ir.Node | None, rank: int) -> tuple[ir.Value, int] | None:
+    """(x, start) of ``Slice(x, start, >= end, axes=[-1], steps=[2])``."""
+    if node is None or node.op_type != "Slice":
+        return None
+    x = node.inputs[0]
+    starts, ends = const_ints(input_at(node, 1)), const_ints(input_at(node, 2))
+    axes, steps = const_ints(input_at(node, 3)), const_ints(input_at(node, 4))
+    width = _static_last(x)
+    if starts is None or ends is None or width is None or steps != [2]:
+        return None
+    if axes not in ([-1], [rank - 1]) or len(starts) != 1 or ends[0] < width:
+        return None
+    return x, starts[0]
+
+
+def _accepts(term, allowed, allowzero: int) -> bool:
+    """A Reshape target entry that keeps an axis: 0 (copy), or the same run-time term."""
+    return (term == 0 and not allowzero) or term in allowed
+
+
+def _interleaved_source(rotated: ir.Value, chain: list[ir.Node]) -> ir.Value | None:
+    """x when ``rotated = Reshape(Concat(Unsqueeze(-x[..., 1::2], -1), Unsqueeze(x[..., ::2],
+    -1), axis=-1), [B, N, S, D])``: GPT-J / Cohere ``rotate_every_two``, which pairs
+    (x[2i], x[2i+1]) -- ONNX RotaryEmbedding's ``interleaved=1``."""
+    reshape = producer(rotated, "Reshape")
+    concat = producer(reshape.inputs[0], "Concat") if reshape else None
+    if concat is None or len(concat.inputs) != 2 or attr(concat, "axis") not in (-1, 4):
+        return None
+    unsq_neg, unsq_x = (
+        producer(concat.inputs[0], "Unsqueeze"),
+        producer(concat.inputs[1], "Unsqueeze"),
+    )
+    if unsq_neg is None or unsq_x is None:
+        return None
+    if const_ints(input_at(unsq_neg, 1)) not in ([-1], [4]):
+        return None
+    if const_ints(input_at(unsq_x, 1)) not in ([-1], [4]):
+        return None
+    neg = producer(unsq_neg.inputs[0], "Neg")
+    odd = _strided_slice(producer(neg.inputs[0], "Slice"), 4) if neg else None
+    even = _strided_slice(producer(unsq_x.inputs[0], "Slice"), 4)
+    if odd is None or even is None or odd[0] is not even[0] or (even[1], odd[1]) != (0, 1):
+        return None
+    x = even[0]
+    width = _static_last(x)
+    if x.shape is None or len(x.shape) != 4 or width is None or width % 2:
+        return None
+    target = shape_vector(reshape.inputs[1])
+    allowzero = attr(reshape, "allowzero", 0)
+    if target is None or len(target) != 4 or target.count(-1) > 1:
+        return None
+    for axis in range(3):
+        if not _accepts(target[axis], (dim(x, axis), -1), allowzero):
+            return None
+    if target[3] not in (width, -1):
+        return None
+    chain.extend([reshape, concat, unsq_neg, unsq_x, neg, neg.inputs[0].producer()])
+    chain.append(unsq_x.inputs[0].producer())
+    return x
+
+
+def _repeat_interleave_source(value: ir.Value) -> ir.Value | None:
+    """f when ``value = Reshape(Expand(Unsqueeze(f, -1), [1, .., 1, 2]), [B, S, -1])``:
+    ``repeat_interleave(f, 2, dim=-1)``, i.e. [f0, f0, f1, f1, ...]."""
+    reshape = producer(value, "Reshape")
+    expand = producer(reshape.inputs[0], "Expand") if reshape else None
+    unsq = producer(expand.inputs[0], "Unsqueeze") if expand else None
+    if unsq is None or const_ints(input_at(unsq, 1)) not in ([-1], [3]):
+        return None
+    f = unsq.inputs[0]
+    if f.shape is None or len(f.shape) != 3 or _static_last(f) is None:
+        return None
+    repeat = const_ints(expand.inputs[1])
+    if repeat is None or len(repeat) > 4 or repeat[-1] != 2 or any(r != 1 for r in repeat[:-1]):
+        return None
+    target = shape_vector(reshape.inputs[1])
+    allowzero = attr(reshape, "allowzero", 0)
+    if target is None or len(target) != 3 or target.count(-1) > 1:
+        return None
+    for axis in range(2):
+        allowed = (dim(f, axis), dim(unsq.outputs[0], axis), dim(expand.outputs[0], axis), -1)
+        if not _accepts(target[axis], allowed, allowzero):
+            return None
+    if target[2] not in (2 * _static_last(f), -1):
+        return None
+    return f
 
 
 def _unsqueezed_heads(value: ir.Value, chain: list[ir.Node]) -> ir.Value | None:
@@ -152,7 +242,7 @@ def _equal_halves(value: ir.Value) -> ir.Value | None:
     return h if _same_computation(h, concat.inputs[1]) else None
 
 
-def _half_plan(full: ir.Value, trig: str):
+def _half_plan(full: ir.Value, trig: str, interleaved: bool = False):
     """(trig node or None, h, [Cast/Mul steps, innermost first]) when ``full`` is, under at
     most one ``Mul`` by a scalar constant and one ``Cast`` (in either order), either
     ``trig(Concat(f, f))`` (h = f, trig re-applied) or ``Concat(t, t)`` (h = t): each half of
@@ -179,11 +269,12 @@ def _half_plan(full: ir.Value, trig: str):
         else:
             break
     steps = list(reversed(outer_first))
-    half = _equal_halves(value)
+    undo = _repeat_interleave_source if interleaved else _equal_halves
+    half = undo(value)
     if half is not None:
         return None, half, steps
     trig_node = producer(value, trig)
-    half = _equal_halves(trig_node.inputs[0]) if trig_node else None
+    half = undo(trig_node.inputs[0]) if trig_node else None
     if half is None:
         return None
     return trig_node, half, steps
@@ -246,7 +337,7 @@ class RotateHalfToRotaryEmbedding(Rule):
         matched = self._match(node)
         if matched is None:
             return None
-        x, cos_full, sin_full, chain = matched
+        x, cos_full, sin_full, chain, interleaved = matched
         if cos_full.dtype != x.dtype or sin_full.dtype != x.dtype:
             return Kept("cos/sin do not have the dtype of the rotated input")
         width = _static_last(x)
@@ -255,7 +346,8 @@ class RotateHalfToRotaryEmbedding(Rule):
             if d is not None and d != width:
                 return Kept("cos/sin width differs from the rotated width")
         partial = self._partial(node, x)
-        cos_plan, sin_plan = _half_plan(cos_full, "Cos"), _half_plan(sin_full, "Sin")
+        cos_plan = _half_plan(cos_full, "Cos", interleaved)
+        sin_plan = _half_plan(sin_full, "Sin", interleaved)
         if cos_plan is None or sin_plan is None:
             return Kept("cos/sin are not proven to be two equal halves [c, c]")
         reason = require_default_opset(ctx.model, 23, ctx.cache)
@@ -263,7 +355,7 @@ class RotateHalfToRotaryEmbedding(Rule):
             return Kept(reason)
         cos_half = _half(ctx, cos_full, cos_plan, node)
         sin_half = _half(ctx, sin_full, sin_plan, node)
-        attributes = {"interleaved": 0}
+        attributes = {"interleaved": int(interleaved)}
         target = node.outputs[0]
         source = x
         if partial is not None:
@@ -285,6 +377,7 @@ class RotateHalfToRotaryEmbedding(Rule):
         replace_value(target, out)
         remove_dead(ctx.graph, chain)
         kind = f"partial {width}" if partial is not None else "full"
+        kind += ", interleaved" if interleaved else ""
         return Rewritten(f"rotate-half RoPE ({kind}) -> RotaryEmbedding")
 
     @staticmethod
@@ -298,7 +391,11 @@ class RotateHalfToRotaryEmbedding(Rule):
                 continue
             for i, j in ((0, 1), (1, 0)):
                 chain = [node, sin_mul, cos_mul]
+                interleaved = False
                 x = _rotate_half_source(sin_mul.inputs[i], chain)
+                if x is None:
+                    interleaved = True
+                    x = _interleaved_source(sin_mul.inputs[i], chain)
                 if x is None:
                     continue
                 sin4 = sin_mul.inputs[j]
@@ -312,7 +409,7 @@ class RotateHalfToRotaryEmbedding(Rule):
                 sin_full = _unsqueezed_heads(sin4, chain)
                 if cos_full is None or sin_full is None:
                     continue
-                return x, cos_full, sin_full, chain
+                return x, cos_full, sin_full, chain, interleaved
         return None
 
     @staticmethod

@@ -243,6 +243,10 @@ BUILDER = {
     "partial": DecoderConfig(style="torch18", head_dim=32, rotary_dim=16),
     "window": DecoderConfig(style="torch18", sliding_window=4),
     "mha": DecoderConfig(style="torch18", kv_heads=4, layers=1),
+    "interleaved": DecoderConfig(style="torch18", interleaved=True),
+    "partial-interleaved": DecoderConfig(
+        style="torch18", head_dim=32, rotary_dim=16, interleaved=True
+    ),
 }
 
 
@@ -257,6 +261,10 @@ def test_builder_decoder_fuses_to_gqa(name):
     )
     ops = {n.op_type for n in optimized.graph.node}
     assert not ops & {"Softmax", "Cos", "Sin", "Neg", "IsNaN", "Tanh", "Attention", "Pow"}
+    for node in optimized.graph.node:
+        if node.op_type == "GroupQueryAttention":
+            attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+            assert attrs["rotary_interleaved"] == int(cfg.interleaved)
     kwargs = {"prompt_len": 9, "decode_past_len": 7} if cfg.sliding_window else {}
     assert_equivalent(original, optimized, **kwargs)
 
