@@ -243,18 +243,23 @@ def same_dim(a: Dim, b: Dim) -> bool:
 
 
 def remove_dead(graph: ir.Graph, nodes: Sequence[ir.Node]) -> None:
-    """Remove those of ``nodes`` (and only those) whose outputs nothing reads any more.
+    """Remove those of ``nodes`` whose outputs nothing reads any more, and then the producers
+    that only they read (the shape vectors a matched chain computed for itself).
 
     Rules call this after rerouting a matched chain, so that a later sweep is not offered
-    the dead chain again; nodes still read elsewhere (shared cos/sin, masks) stay.
+    the dead chain again; nodes still read elsewhere (shared cos/sin, masks) stay. Each node
+    is removed at most once, so the work is linear in what is removed.
     """
     pending = list({id(n): n for n in nodes if n.graph is graph}.values())
-    changed = True
-    while changed:
-        changed = False
-        for node in list(pending):
-            if any(out.uses() or out.is_graph_output() for out in node.outputs):
-                continue
-            graph.remove(node, safe=True)
-            pending.remove(node)
-            changed = True
+    while pending:
+        node = pending.pop()
+        if node.graph is not graph:
+            continue
+        if any(out.uses() or out.is_graph_output() for out in node.outputs):
+            continue
+        inputs = [v for v in node.inputs if v is not None]
+        graph.remove(node, safe=True)
+        for value in inputs:
+            upstream = value.producer()
+            if upstream is not None and upstream.graph is graph:
+                pending.append(upstream)

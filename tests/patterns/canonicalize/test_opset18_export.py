@@ -102,3 +102,37 @@ def test_gemma2_softcap_and_window_fuse(gemma2_export18):
     assert not {"Softmax", "Neg", "Cos", "Sin", "ReduceMean"} & set(ops)
     # prompts and pasts longer than the window
     assert_equivalent(gemma2_export18, optimized, prompt_len=9, decode_past_len=7)
+
+
+@pytest.fixture(scope="module")
+def cohere_export18(tmp_path_factory) -> str:
+    """Cohere at opset 18: interleaved RoPE (strided Slices, stack, Reshape on
+    repeat_interleave'd cos/sin) and a mean-centred norm."""
+    from transformers import CohereConfig
+
+    config = CohereConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    path = tmp_path_factory.mktemp("cohere18") / "cohere-18.onnx"
+    export_hf_decoder(config, path, opset=18)
+    return str(path)
+
+
+def test_cohere_interleaved_rope_fuses(cohere_export18):
+    optimized, report = epfuse.optimize_with_report(cohere_export18, "cpu")
+    assert [layer.result for layer in report.layers] == ["GroupQueryAttention(do_rotary=1)"] * 2
+    for node in optimized.graph:
+        if node.op_type == "GroupQueryAttention":
+            assert node.attributes["rotary_interleaved"].value == 1
+    ops = {n.op_type for n in optimized.graph}
+    assert not {"Softmax", "Neg", "Cos", "Sin", "Slice"} & ops
+    assert_equivalent(cohere_export18, optimized)

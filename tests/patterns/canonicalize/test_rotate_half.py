@@ -35,6 +35,8 @@ class Variant:
     split: int | None = None  # first-half width (default rotary // 2)
     scale_then_cast: bool = False  # HF: (cos(emb) * scaling).to(dtype), vs Cast then Mul
     freqs_form: str = "mul"  # "mul" (torch folds the K=1 matmul) | "matmul" (HF's expanded)
+    interleaved: bool = False  # GPT-J/Cohere rotate_every_two on repeat_interleave'd cos/sin
+    interleaved_cos: bool | None = None  # cos/sin built interleaved (default: as the rotation)
 
 
 def _graph(v: Variant) -> onnx.ModelProto:
@@ -78,6 +80,12 @@ def _graph(v: Variant) -> onnx.ModelProto:
     if v.halves == "after-trig":
         cos = op("Concat", [op("Cos", [freqs], "c1"), op("Cos", [second], "c2")], "cos", axis=-1)
         sin = op("Concat", [op("Sin", [freqs], "s1"), op("Sin", [second], "s2")], "sin", axis=-1)
+    elif v.interleaved if v.interleaved_cos is None else v.interleaved_cos:
+        f4 = op("Unsqueeze", [freqs, const("a3", [3])], "f4")
+        pairs = op("Expand", [f4, const("rep2", [1, 1, 1, 2])], "pairs")
+        bs = op("Shape", [freqs], "bs", start=0, end=-1)
+        emb = op("Reshape", [pairs, op("Concat", [bs, const("m1", [-1])], "es", axis=0)], "emb")
+        cos, sin = op("Cos", [emb], "cos"), op("Sin", [emb], "sin")
     else:
         emb = op("Concat", [freqs, second], "emb", axis=-1)
         cos, sin = op("Cos", [emb], "cos"), op("Sin", [emb], "sin")
@@ -102,11 +110,23 @@ def _graph(v: Variant) -> onnx.ModelProto:
     x = "x"
     if v.rotary < H:
         x = last_slice("x", 0, v.rotary, "x_rot")
-    split = v.split or half
-    x1, x2 = last_slice(x, 0, split, "x1"), last_slice(x, split, BIG, "x2")
-    neg = op("Neg", [x2], "neg")
-    parts = [neg, x1] if v.order == "neg-first" else [x1, neg]
-    turned = op("Concat", parts, "turned", axis=-1)
+    if v.interleaved:
+        two = const("two_step", [2])
+        even = op("Slice", [x, const("zero", [0]), const("big", [BIG]), "ax3", two], "even")
+        odd = op("Slice", [x, const("one", [1]), "big", "ax3", two], "odd")
+        neg = op("Unsqueeze", [op("Neg", [odd], "neg"), const("last", [-1])], "neg5")
+        pos = op("Unsqueeze", [even, "last"], "even5")
+        parts = [neg, pos] if v.order == "neg-first" else [pos, neg]
+        stack = op("Concat", parts, "stack", axis=-1)
+        bns = op("Shape", [x], "bns", start=0, end=3)
+        flat = op("Concat", [bns, const("width", [v.rotary])], "flat", axis=0)
+        turned = op("Reshape", [stack, flat], "turned")
+    else:
+        split = v.split or half
+        x1, x2 = last_slice(x, 0, split, "x1"), last_slice(x, split, BIG, "x2")
+        neg = op("Neg", [x2], "neg")
+        parts = [neg, x1] if v.order == "neg-first" else [x1, neg]
+        turned = op("Concat", parts, "turned", axis=-1)
     y = op("Add", [op("Mul", [x, cos4], "xc"), op("Mul", [turned, sin4], "xs")], "y_rot")
     if v.rotary < H:
         y = op("Concat", [y, last_slice("x", v.rotary, BIG, "x_pass")], "y_cat", axis=-1)
@@ -162,6 +182,8 @@ FUSED = {
     "duplicated-subgraph": Variant(halves="twin"),
     "halves-after-trig-fp16": Variant(halves="after-trig", dtype=TensorProto.FLOAT16, scaling=0.5),
     "matmul-freqs-partial-scaled": Variant(freqs_form="matmul", rotary=8, scaling=1.25),
+    "interleaved": Variant(interleaved=True),
+    "interleaved-partial-fp16": Variant(interleaved=True, rotary=8, dtype=TensorProto.FLOAT16),
 }
 
 
@@ -173,7 +195,7 @@ def test_rotate_half_becomes_rotary_embedding_then_caches(name):
     outcome = RotateHalfToRotaryEmbedding().apply(_rope_add(ir_model), ctx)
     assert isinstance(outcome, Rewritten), outcome
     rope = next(n for n in ir_model.graph if n.op_type == "RotaryEmbedding")
-    assert rope.attributes["interleaved"].value == 0
+    assert rope.attributes["interleaved"].value == int(v.interleaved)
     width = rope.attributes.get("rotary_embedding_dim")
     assert (width.value if width else H) == v.rotary
     assert rope.inputs[0].name == "x"  # partial: the whole head, the rest passed through
@@ -207,7 +229,18 @@ def test_unequal_halves_are_kept(halves):
     assert ir_model.opset_imports[""] == 18
 
 
-@pytest.mark.parametrize("variant", [Variant(order="swapped"), Variant(split=6)])
+def test_interleaved_rotation_with_concatenated_halves_is_kept():
+    """An interleaved rotation needs [c0, c0, c1, c1, ...]; Concat(f, f) is [c, c]."""
+    ir_model, ctx = _ctx(_graph(Variant(interleaved=True, interleaved_cos=False)))
+    outcome = RotateHalfToRotaryEmbedding().apply(_rope_add(ir_model), ctx)
+    assert isinstance(outcome, Kept) and "halves" in outcome.reason
+    assert not any(n.op_type == "RotaryEmbedding" for n in ir_model.graph)
+
+
+@pytest.mark.parametrize(
+    "variant",
+    [Variant(order="swapped"), Variant(split=6), Variant(interleaved=True, order="swapped")],
+)
 def test_other_rotations_are_not_matched(variant):
     ir_model, ctx = _ctx(_graph(variant))
     assert RotateHalfToRotaryEmbedding().apply(_rope_add(ir_model), ctx) is None
