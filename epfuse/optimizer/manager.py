@@ -155,6 +155,8 @@ class PassManager:
             if not changed:
                 for (rule_name, _), (node, reason) in kept_now.items():
                     rule_reports[rule_name].kept += 1
+                    if reason not in rule_reports[rule_name].kept_reasons:
+                        rule_reports[rule_name].kept_reasons.append(reason)
                     layer = layers.get(_layer_of(node))
                     if layer is not None and node.graph is graph:
                         layer.reasons.append(reason)

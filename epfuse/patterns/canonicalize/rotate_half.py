@@ -6,18 +6,29 @@ Hugging Face's ``apply_rotary_pos_emb`` exported below opset 23 reads::
     y = x * Unsqueeze(cos, 1) + Concat(-x2, x1) * Unsqueeze(sin, 1)
 
 with ``cos``/``sin`` of shape (B, S, D) built as ``Cos/Sin(Concat(freqs, freqs))`` (times the
-``attention_scaling`` constant, with a Cast in half-precision exports). That is
+``attention_scaling`` constant and/or Cast to the model dtype, in either order). That is
 ``RotaryEmbedding(x, cos[..., :D/2], sin[..., :D/2])`` in the 3-input per-token form, provided
-``cos`` and ``sin`` really are two equal halves. The rule proves that structurally: the trig
-op reads ``Concat(f, f)`` of one value twice, so each half is exactly ``trig(f)``; the half
-caches are then rebuilt as ``trig(f)`` (with the same Cast and scale), which is the form
-``rope_caches`` turns into constant caches (evaluating the original subgraph to prove it).
+``cos`` and ``sin`` really are two equal halves. The rule proves that structurally: the
+Concat's two inputs are one value, or provably equal subgraphs (same ops, attributes and
+constants); that holds before or after the trig op. The half is then rebuilt as ``trig(f)``
+(with the same Cast and scale), the form ``rope_caches`` turns into constant caches
+(evaluating the original subgraph to prove them).
+
+Interleaved (GPT-J / Cohere ``rotate_every_two``)::
+
+    rot = Reshape(Concat(Unsqueeze(-x[..., 1::2], -1), Unsqueeze(x[..., ::2], -1)), [B,N,S,D])
+    y = x * cos + rot * sin,  cos = Cos(Reshape(Expand(Unsqueeze(f, -1), [1,1,1,2]), [B,S,-1]))
+
+becomes ``RotaryEmbedding(..., interleaved=1)`` on ``trig(f)``, once the cos/sin are proven to
+be ``repeat_interleave(f, 2)`` (the Expand repeats only the new last axis, the Reshape merges
+it back while keeping the leading axes).
 
 Partial rotary (``Concat(rope(Slice(x, 0, R)), Slice(x, R, end))``) becomes one
 ``RotaryEmbedding(x, ..., rotary_embedding_dim=R)``, which passes the rest through.
 
-Not handled (left unchanged, so still correct): the interleaved (GPT-J) form, cos/sin whose
-halves are not built from one ``Concat(f, f)``, inputs that are not (B, N, S, D).
+Not handled (left unchanged, so still correct): cos/sin not provably duplicated halves (or
+pairs, interleaved), inputs that are not (B, N, S, D) (e.g. RoPE applied before the head
+transpose), rotations written in other orders.
 """
 
 from __future__ import annotations

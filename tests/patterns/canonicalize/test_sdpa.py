@@ -296,3 +296,10 @@ def test_ep_without_rope_or_norm_ops_keeps_them_decomposed():
     ops = {n.op_type for n in optimized.graph.node}
     assert {"Neg", "Pow", "Cos"} <= ops and not {"Softmax", "RotaryEmbedding"} & ops
     assert_equivalent(original, optimized)
+
+
+def test_unlifted_attention_is_explained():
+    """When no layer can be lifted, the error says why (there is no Attention op to report)."""
+    original = build_decoder(DecoderConfig(style="torch18", dtype="float16", softcap=5.0))
+    with pytest.raises(epfuse.UnsupportedModelError, match="softcap in neither"):
+        epfuse.optimize(original, "trt-rtx")
