@@ -193,8 +193,8 @@ def _unsqueezed_heads(value: ir.Value, chain: list[ir.Node]) -> ir.Value | None:
     if unsq is None or const_ints(input_at(unsq, 1)) not in ([1], [-3]):
         return None
     c = unsq.inputs[0]
-    if c.shape is None or len(c.shape) != 3:
-        return None
+    if c.shape is not None and len(c.shape) != 3:
+        return None  # (an unknown shape is settled on the half, which must be rank 3)
     chain.append(unsq)
     return c
 
@@ -341,7 +341,7 @@ class RotateHalfToRotaryEmbedding(Rule):
         gqa = ops.gqa
         fused = gqa is not None and gqa.fused_rotary and gqa.rotary_position_ids
         if not (ops.rotary_embedding or fused):
-            return f"{ep.name} runs neither ONNX RotaryEmbedding nor GQA's fused rotary"
+            return f"{ep.name} has no ONNX RotaryEmbedding (nor GQA fused rotary) for this dtype"
         return None
 
     def apply(self, node: ir.Node, ctx: RewriteContext):
@@ -349,8 +349,9 @@ class RotateHalfToRotaryEmbedding(Rule):
         if matched is None:
             return None
         x, cos_full, sin_full, chain, interleaved = matched
-        if cos_full.dtype != x.dtype or sin_full.dtype != x.dtype:
-            return Kept("cos/sin do not have the dtype of the rotated input")
+        reason = self.requires(ctx.ops, ctx.ep)
+        if reason:  # the pass manager does not select the rule then; direct callers ask here
+            return Kept(reason)
         width = _static_last(x)
         for c in (cos_full, sin_full):
             d = _static_last(c)
@@ -361,6 +362,14 @@ class RotateHalfToRotaryEmbedding(Rule):
         sin_plan = _half_plan(sin_full, "Sin", interleaved)
         if cos_plan is None or sin_plan is None:
             return Kept("cos/sin are not proven to be two equal halves [c, c]")
+        for _, half, steps in (cos_plan, sin_plan):
+            casts = [n for n in steps if n.op_type == "Cast"]
+            dtype = ir.DataType(attr(casts[-1], "to")) if casts else half.dtype
+            if dtype != x.dtype:
+                return Kept("cos/sin do not have the dtype of the rotated input")
+            # RotaryEmbedding reads cos/sin per (batch, token): they must not broadcast.
+            if dim(half, 0) != dim(x, 0) or dim(half, 1) != dim(x, 2):
+                return Kept("cos/sin are not (batch, seq) like the rotated input")
         reason = require_default_opset(ctx.model, 23, ctx.cache)
         if reason:
             return Kept(reason)
