@@ -325,47 +325,50 @@ _ELEMENTWISE = ("Add", "Sub", "Mul", "Div", "Neg", "Cast", "Identity", "Where")
 _LAST_AXIS = ((-1,), (3,))
 
 
-def _head_count(value: ir.Value, depth: int = 0) -> int | None:
-    """The static size of axis 1 (heads) of a rank-4 (B, N, S, H) value.
+def _head_count(value: ir.Value, depth: int = 0, axis: int = 1) -> int | None:
+    """The static size of ``axis`` (by default 1, the heads of (B, N, S, H)) of a rank-4 value.
 
-    From its shape when ONNX inference knew it; else from the op that made it: the target of
-    a Reshape (repeat_kv), ``Transpose(Reshape(x, [B, S, N or -1, H]), [0, 2, 1, 3])`` (the
-    projection; -1 resolved from x's static width), or through ops that keep or broadcast the
-    head axis (elementwise ops: the broadcast maximum of their rank-4 operands; Slice and
-    Concat on the last axis; RotaryEmbedding).
+    From its shape when ONNX inference knew it; else from the op that made it: a Reshape
+    target (repeat_kv; ``[B, S, -1, H]`` resolved from the input's static width), a Transpose
+    (the axis it came from), or ops that keep or broadcast the axis (elementwise ops: the
+    broadcast maximum of their rank-4 operands; Slice and Concat on the last axis;
+    RotaryEmbedding; normalizations over the last axis, e.g. Qwen3's q/k norms).
     """
-    known = dim(value, 1)
+    known = dim(value, axis)
     if isinstance(known, int):
         return known
     node = value.producer()
-    if node is None or depth > 10 or node.domain != "":
+    if node is None or depth > 12 or node.domain != "":
         return None
     op = node.op_type
     if op == "Reshape":
         target = shape_vector(node.inputs[1])
-        got = target[1] if target is not None and len(target) == 4 else None
-        return got if isinstance(got, int) and got > 0 else None
-    if op == "Transpose" and list(attr(node, "perm", [])) == [0, 2, 1, 3]:
-        reshape = producer(node.inputs[0], "Reshape")
-        target = shape_vector(reshape.inputs[1]) if reshape else None
-        if target is None or len(target) != 4 or not isinstance(target[3], int):
+        if target is None or len(target) != 4:
             return None
-        heads, head_size = target[2], target[3]
-        if isinstance(heads, int) and heads > 0:
-            return heads
-        width = last_dim(reshape.inputs[0])
-        if heads == -1 and width and head_size > 0 and width % head_size == 0:
-            return width // head_size
+        got = target[axis]
+        if isinstance(got, int) and got > 0:
+            return got
+        width, head_size = last_dim(node.inputs[0]), target[3]
+        if got == -1 and axis == 2 and isinstance(head_size, int) and head_size > 0 and width:
+            return width // head_size if width % head_size == 0 else None
         return None
+    if op == "Transpose":
+        perm = list(attr(node, "perm", []))
+        if len(perm) != 4:
+            return None
+        return _head_count(node.inputs[0], depth + 1, perm[axis])
     if op == "Slice":
         axes = const_ints(node.inputs[3]) if len(node.inputs) > 3 else None
-        return _head_count(node.inputs[0], depth + 1) if axes in ([-1], [3]) else None
+        keeps = axes in ([-1], [3]) and axis != 3
+        return _head_count(node.inputs[0], depth + 1, axis) if keeps else None
     if op == "Concat":
-        if attr(node, "axis") not in (-1, 3):
+        if attr(node, "axis") not in (-1, 3) or axis == 3:
             return None
-        return _head_count(node.inputs[0], depth + 1)
-    if op == "RotaryEmbedding":
-        return _head_count(node.inputs[0], depth + 1)
+        return _head_count(node.inputs[0], depth + 1, axis)
+    if op in ("RotaryEmbedding", "RMSNormalization", "LayerNormalization"):
+        if op != "RotaryEmbedding" and attr(node, "axis", -1) not in (-1, 3):
+            return None
+        return _head_count(node.inputs[0], depth + 1, axis)
     if op in _ELEMENTWISE:
         counts = []
         for operand in node.inputs:
@@ -375,11 +378,19 @@ def _head_count(value: ir.Value, depth: int = 0) -> int | None:
                 and len(operand.shape) < 2
             ):
                 continue
-            if _rank(operand) != 4:
-                if _rank(operand) is None or _rank(operand) > 4:
+            rank = _rank(operand)
+            if rank is None or rank > 4:
+                return None
+            if rank < 4:  # right-aligned broadcast: does it reach the axis?
+                position = axis - (4 - rank)
+                if position < 0:
+                    continue
+                size = dim(operand, position)
+                if not isinstance(size, int):
                     return None
-                continue  # a lower-rank operand broadcasts over the head axis
-            got = _head_count(operand, depth + 1)
+                counts.append(size)
+                continue
+            got = _head_count(operand, depth + 1, axis)
             if got is None:
                 return None
             counts.append(got)
