@@ -19,6 +19,12 @@ pytestmark = pytest.mark.slow
 
 LAYERS = 2
 DECOMPOSED = {"Softmax", "Cos", "Sin", "Neg", "IsNaN", "Pow", "ReduceMean", "Reciprocal"}
+# On CPU the lifted RMSNormalization is lowered further (with the residual Add) when it can be.
+NORMS = ("RMSNormalization", "SimplifiedLayerNormalization", "SkipSimplifiedLayerNormalization")
+
+
+def _norms(ops: list[str]) -> int:
+    return sum(ops.count(name) for name in NORMS)
 
 
 @pytest.fixture(scope="module", params=["float32", "float16"])
@@ -43,7 +49,7 @@ def test_cpu_fuses_every_layer_to_gqa_with_rotary(export18):
     assert all("causal + padding" in layer.notes for layer in report.layers)
     ops = [n.op_type for n in optimized.graph]
     assert ops.count("GroupQueryAttention") == LAYERS
-    assert ops.count("RMSNormalization") == 2 * LAYERS + 1
+    assert _norms(ops) == 2 * LAYERS + 1
     assert not DECOMPOSED & set(ops)
     assert not {"Attention", "RotaryEmbedding"} & set(ops)
     assert optimized.opset_imports[""] == 23
@@ -98,7 +104,7 @@ def test_gemma2_softcap_and_window_fuse(gemma2_export18):
     assert all(a["softcap"] == pytest.approx(50.0) for a in attrs)
     assert sorted(a.get("local_window_size", -1) for a in attrs) == [-1, 4]
     ops = [n.op_type for n in optimized.graph]
-    assert ops.count("RMSNormalization") == 4 * 2 + 1  # Gemma-2: four norms per layer
+    assert _norms(ops) == 4 * 2 + 1  # Gemma-2: four norms per layer
     assert not {"Softmax", "Neg", "Cos", "Sin", "ReduceMean"} & set(ops)
     # prompts and pasts longer than the window
     assert_equivalent(gemma2_export18, optimized, prompt_len=9, decode_past_len=7)
