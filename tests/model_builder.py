@@ -533,8 +533,8 @@ def _build_torch23(b: _GraphBuilder, cfg: DecoderConfig) -> None:
         bshd = shape("bshd", batch_1d, seq_1d, b.ints(-1), b.ints(hd))
         y = b.op("Reshape", [y, bshd], f"{hint}_bshd", allowzero=1)
         if cfg.qk_norm and hint in ("q", "k"):
-            norm = weight.replace(f"{hint}_proj.weight", f"{hint}_norm.weight")
-            y = _rms_norm(b, y, norm, f"{hint}_norm")
+            norm_weight = weight.replace(f"{hint}_proj.weight", f"{hint}_norm.weight")
+            y = norm(b, y, norm_weight, f"{hint}_norm")  # decomposed in the torch18 style
         return b.op("Transpose", [y], f"{hint}_bnsh", perm=[0, 2, 1, 3])
 
     def rotate(t: str, num_heads: int, hint: str) -> str:
