@@ -9,6 +9,16 @@ of two forms that epfuse must rewrite:
   from ``position_ids`` and fed to the 3-input ``RotaryEmbedding`` on (B, N, S, H) tensors, the
   cache grown by ``Concat``, K/V repeated to all query heads (repeat_kv) and a 4-D ``Attention``
   with ``is_causal=0``.
+- ``style="torch18"`` is the same export at opset 18, where torch.onnx has no Attention,
+  RotaryEmbedding or RMSNormalization and writes them out: RMSNorm as
+  Pow/ReduceMean/Add/Sqrt/Reciprocal/Mul (with Casts to float32 and back in half precision),
+  RoPE as rotate-half Slice/Neg/Concat/Mul/Add on ``Cos/Sin(Concat(freqs, freqs))`` (or, with
+  ``interleaved``, GPT-J/Cohere's strided-Slice/stack/Reshape ``rotate_every_two`` on
+  ``Cos/Sin(repeat_interleave(freqs, 2))``), and
+  attention as MatMul(Q*s, K^T*s) (``scale_form="split"``, torch's SDPA) or MatMul(Q, K^T)*s
+  (``"scores"``, HF eager) + an additive ``Where(mask, 0, finfo.min)`` mask, Softmax, the
+  NaN guard ``Where(IsNaN(P), 0, P)`` and MatMul(P, V). K^T is torch's
+  Reshape/Transpose/Reshape (``k_transpose="reshape"``) or ``Transpose(perm=[0,1,3,2])``.
 - ``style="mobius"`` is the form onnxruntime/mobius's builder emits: constant cos/sin caches
   indexed by ``position_ids``, 3-D (B, S, N*H) q/k/v, and one ``Attention`` that takes the past
   K/V, groups KV heads itself (``q_num_heads``/``kv_num_heads``) and produces the present K/V
@@ -59,7 +69,8 @@ _DTYPES = {
     "float16": (np.dtype(np.float16), TensorProto.FLOAT16),
     "bfloat16": (np.dtype(ml_dtypes.bfloat16), TensorProto.BFLOAT16),
 }
-_STYLES = ("torch23", "mobius")
+_STYLES = ("torch23", "mobius", "torch18")
+OPSET_TORCH18 = 18
 
 
 @dataclass(frozen=True)
@@ -77,13 +88,15 @@ class DecoderConfig:
     dtype: str = "float32"  # "float32" | "float16" | "bfloat16"
     rope_theta: float = 10000.0
     max_positions: int = 256  # rows of the constant cos/sin caches (mobius style)
-    style: str = "torch23"  # "torch23" | "mobius"
+    style: str = "torch23"  # "torch23" | "mobius" | "torch18"
     seed: int = 0
     positions: str = "1d"  # "1d" | "mrope" ((3, batch, seq) position_ids; mobius style only)
     mrope_section: tuple[int, int, int] | None = None  # (t, h, w), sum R/2; None = a default
     mrope_layout: str = "sectioned"  # "sectioned" (Qwen2/2.5-VL) | "interleaved" (Qwen3-VL)
     qk_norm: bool = False  # Qwen3: RMSNormalization over head_dim on q and k before RoPE
     qkv_bias: bool = False  # Qwen2: bias Add after the q/k/v projections
+    scale_form: str = "split"  # torch18: "split" (sqrt(s) on Q and K^T) | "scores" (s on QK^T)
+    k_transpose: str = "reshape"  # torch18: "reshape" (torch's 3-D form) | "perm" (Transpose)
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -109,6 +122,10 @@ class DecoderConfig:
                 raise ValueError("mrope_layout must be 'sectioned' or 'interleaved'")
             if sum(self.sections) != self.rotary // 2 or min(self.sections) < 0:
                 raise ValueError(f"mrope_section must be >= 0 and sum to {self.rotary // 2}")
+        if self.scale_form not in ("split", "scores"):
+            raise ValueError("scale_form must be 'split' or 'scores'")
+        if self.k_transpose not in ("reshape", "perm"):
+            raise ValueError("k_transpose must be 'reshape' or 'perm'")
 
     @property
     def sections(self) -> tuple[int, int, int]:
@@ -328,13 +345,31 @@ def _mlp(b: _GraphBuilder, h: str, prefix: str) -> str:
     return b.op("MatMul", [gated, f"{prefix}.mlp.down_proj.weight"], "mlp")
 
 
-def _layer(b: _GraphBuilder, i: int, x: str, attention) -> str:
+def _rms_norm_decomposed(cfg: DecoderConfig):
+    """HF's LlamaRMSNorm as torch.onnx writes it below opset 23 (float32 inside)."""
+
+    def norm(b: _GraphBuilder, x: str, weight: str, hint: str) -> str:
+        half = cfg.onnx_dtype != TensorProto.FLOAT
+        xf = b.op("Cast", [x], f"{hint}_f32", to=TensorProto.FLOAT) if half else x
+        two = b.initializer(b.fresh("const_two"), np.array(2.0, np.float32))
+        eps = b.initializer(b.fresh("const_eps"), np.array(RMS_EPS, np.float32))
+        var = b.op("ReduceMean", [b.op("Pow", [xf, two], f"{hint}_sq"), b.ints(-1)], "var")
+        rstd = b.op("Reciprocal", [b.op("Sqrt", [b.op("Add", [var, eps], "var_eps")], "std")], "r")
+        y = b.op("Mul", [xf, rstd], f"{hint}_normed")
+        if half:
+            y = b.op("Cast", [y], f"{hint}_cast", to=cfg.onnx_dtype)
+        return b.op("Mul", [weight, y], hint)
+
+    return norm
+
+
+def _layer(b: _GraphBuilder, i: int, x: str, attention, norm=_rms_norm) -> str:
     """One pre-norm decoder layer around ``attention(h, prefix, i) -> (B, S, hidden)``."""
     prefix = f"model.layers.{i}"
-    h = _rms_norm(b, x, f"{prefix}.input_layernorm.weight", "attn_norm")
+    h = norm(b, x, f"{prefix}.input_layernorm.weight", "attn_norm")
     y = b.op("MatMul", [attention(h, prefix, i), f"{prefix}.self_attn.o_proj.weight"], "o_proj")
     x = b.op("Add", [x, y], "residual")
-    h = _rms_norm(b, x, f"{prefix}.post_attention_layernorm.weight", "mlp_norm")
+    h = norm(b, x, f"{prefix}.post_attention_layernorm.weight", "mlp_norm")
     return b.op("Add", [x, _mlp(b, h, prefix)], "residual")
 
 
@@ -346,8 +381,16 @@ def _rotary_attrs(cfg: DecoderConfig, num_heads: int) -> dict:
 
 
 def _build_torch23(b: _GraphBuilder, cfg: DecoderConfig) -> None:
-    """The torch.onnx (dynamo, opset 23) export of HF Llama with a DynamicCache."""
+    """The torch.onnx (dynamo, opset 23; or 18 for style torch18) export of HF Llama with a
+    DynamicCache."""
     n, kv, hd = cfg.heads, cfg.kv_heads, cfg.head_dim
+    decomposed = cfg.style == "torch18"
+    norm = _rms_norm_decomposed(cfg) if decomposed else _rms_norm
+    if decomposed:
+        # torch's additive mask: 0 where visible, the dtype's most negative finite value where not
+        zero_f = b.initializer(b.fresh("const_zero_f"), np.array(0.0, cfg.np_dtype))
+        fmin = np.array(float(ml_dtypes.finfo(cfg.np_dtype).min)).astype(cfg.np_dtype)
+        min_f = b.initializer(b.fresh("const_min_f"), fmin)
     last = cfg.layers - 1
     zero, one = b.ints(0, scalar=True), b.ints(1, scalar=True)
 
@@ -385,12 +428,95 @@ def _build_torch23(b: _GraphBuilder, cfg: DecoderConfig) -> None:
     total_1d = b.op("Reshape", [total, b.ints(-1)], "total_1d", allowzero=0)
     mask_shape = b.op("Concat", [batch_1d, b.ints(1), seq_1d, total_1d], "mask_shape", axis=0)
     mask = b.op("Expand", [mask, mask_shape], "attn_mask")
+    if decomposed:
+        fmask = b.op("Where", [mask, zero_f, min_f], "attn_bias")
 
     # Per-token RoPE angles (B, S, R/2) in float32.
     b.initializer("model.rotary_emb.inv_freq", inv_freq(cfg).astype(np.float32))
     pos = b.op("Unsqueeze", ["position_ids", b.ints(2)], "pos3")
     pos = b.op("Cast", [pos], "pos_float", to=TensorProto.FLOAT)
     freqs = b.op("Mul", [pos, "model.rotary_emb.inv_freq"], "freqs")
+    if decomposed and cfg.interleaved:  # freqs.repeat_interleave(2, dim=-1)
+        pairs = b.op(
+            "Expand", [b.op("Unsqueeze", [freqs, b.ints(3)], "f4"), b.ints(1, 1, 1, 2)], "f2"
+        )
+        bs = b.op("Shape", [freqs], "freqs_bs", start=0, end=-1)
+        emb = b.op("Reshape", [pairs, b.op("Concat", [bs, b.ints(-1)], "emb_shape", axis=0)], "emb")
+    elif decomposed:
+        emb = b.op("Concat", [freqs, freqs], "emb", axis=-1)
+    if decomposed:
+        cos_full, sin_full = b.op("Cos", [emb], "cos"), b.op("Sin", [emb], "sin")
+        if cfg.onnx_dtype != TensorProto.FLOAT:
+            cos_full = b.op("Cast", [cos_full], "cos_cast", to=cfg.onnx_dtype)
+            sin_full = b.op("Cast", [sin_full], "sin_cast", to=cfg.onnx_dtype)
+        cos4 = b.op("Unsqueeze", [cos_full, b.ints(1)], "cos4")
+        sin4 = b.op("Unsqueeze", [sin_full, b.ints(1)], "sin4")
+
+    def const_f(value: float) -> str:
+        return b.initializer(b.fresh("const_f"), np.array(value).astype(cfg.np_dtype))
+
+    i64_max, i64_min = 2**63 - 1, -(2**63)
+
+    def last_slice(t: str, start: int, end: int, hint: str) -> str:
+        return b.op("Slice", [t, b.ints(start), b.ints(end), b.ints(3), b.ints(1)], hint)
+
+    def rotate_half(t: str, hint: str) -> str:
+        r = cfg.rotary
+        rot = last_slice(t, 0, r, f"{hint}_rot") if cfg.rotary_dim is not None else t
+        if cfg.interleaved:  # GPT-J / Cohere rotate_every_two
+            ends, axis3, two = b.ints(i64_max), b.ints(3), b.ints(2)
+            x1 = b.op("Slice", [rot, b.ints(0), ends, axis3, two], f"{hint}_even")
+            x2 = b.op("Slice", [rot, b.ints(1), ends, axis3, two], f"{hint}_odd")
+            neg = b.op("Unsqueeze", [b.op("Neg", [x2], f"{hint}_neg"), b.ints(-1)], f"{hint}_n5")
+            pos = b.op("Unsqueeze", [x1, b.ints(-1)], f"{hint}_p5")
+            stack = b.op("Concat", [neg, pos], f"{hint}_stack", axis=-1)
+            bns = b.op("Shape", [rot], f"{hint}_bns", start=0, end=3)
+            flat = b.op("Concat", [bns, b.ints(r)], f"{hint}_flat", axis=0)
+            turned = b.op("Reshape", [stack, flat], f"{hint}_rh")
+        else:
+            x1 = last_slice(rot, 0, r // 2, f"{hint}_x1")
+            x2 = last_slice(rot, r // 2, i64_max, f"{hint}_x2")
+            turned = b.op("Concat", [b.op("Neg", [x2], f"{hint}_neg"), x1], f"{hint}_rh", axis=-1)
+        y = b.op(
+            "Add",
+            [b.op("Mul", [rot, cos4], f"{hint}_c"), b.op("Mul", [turned, sin4], f"{hint}_s")],
+            hint,
+        )
+        if cfg.rotary_dim is not None:
+            rest = last_slice(t, r, i64_max, f"{hint}_pass")
+            y = b.op("Concat", [y, rest], f"{hint}_cat", axis=-1)
+        return y
+
+    def transpose_k(k: str) -> str:
+        if cfg.k_transpose == "perm":
+            return b.op("Transpose", [k], "k_t", perm=[0, 1, 3, 2])
+        kshape = b.op("Shape", [k], "k_shape", start=0)
+        last = b.op("Slice", [kshape, b.ints(-1), b.ints(i64_max)], "k_last")
+        second = b.op("Slice", [kshape, b.ints(-2), b.ints(-1)], "k_second")
+        lead = b.op("Slice", [kshape, b.ints(i64_min), b.ints(-2)], "k_lead")
+        k3 = b.op("Reshape", [k, b.op("Concat", [b.ints(-1), second, last], "k3s", axis=0)], "k3")
+        kt3 = b.op("Transpose", [k3], "kt3", perm=[0, 2, 1])
+        kt_shape = b.op("Concat", [lead, last, second], "kts", axis=0)
+        return b.op("Reshape", [kt3, kt_shape], "k_t")
+
+    def sdpa(q: str, k: str, v: str) -> str:
+        scale = 1.0 / math.sqrt(hd)
+        kt = transpose_k(k)
+        if cfg.scale_form == "split":
+            s = const_f(math.sqrt(scale))
+            scores = b.op(
+                "MatMul", [b.op("Mul", [q, s], "q_s"), b.op("Mul", [kt, s], "kt_s")], "qk"
+            )
+        else:
+            scores = b.op("Mul", [b.op("MatMul", [q, kt], "qk"), const_f(scale)], "qk_s")
+        if cfg.softcap:
+            cap = const_f(cfg.softcap)
+            capped = b.op("Tanh", [b.op("Div", [scores, cap], "qk_div")], "qk_tanh")
+            scores = b.op("Mul", [capped, cap], "qk_cap")
+        scores = b.op("Add", [scores, fmask], "scores")
+        p = b.op("Softmax", [scores], "probs", axis=-1)
+        p = b.op("Where", [b.op("IsNaN", [p], "probs_nan"), zero_f, p], "probs_safe")
+        return b.op("MatMul", [p, v], "sdpa")
 
     # Shape vectors are built where the exporter first needs them, then reused.
     shapes: dict[str, str] = {}
@@ -407,11 +533,13 @@ def _build_torch23(b: _GraphBuilder, cfg: DecoderConfig) -> None:
         bshd = shape("bshd", batch_1d, seq_1d, b.ints(-1), b.ints(hd))
         y = b.op("Reshape", [y, bshd], f"{hint}_bshd", allowzero=1)
         if cfg.qk_norm and hint in ("q", "k"):
-            norm = weight.replace(f"{hint}_proj.weight", f"{hint}_norm.weight")
-            y = _rms_norm(b, y, norm, f"{hint}_norm")
+            norm_weight = weight.replace(f"{hint}_proj.weight", f"{hint}_norm.weight")
+            y = norm(b, y, norm_weight, f"{hint}_norm")  # decomposed in the torch18 style
         return b.op("Transpose", [y], f"{hint}_bnsh", perm=[0, 2, 1, 3])
 
     def rotate(t: str, num_heads: int, hint: str) -> str:
+        if decomposed:
+            return rotate_half(t, hint)
         # The exporter emits a fresh Cos/Sin pair for every use.
         cos = b.op("Cos", [freqs], "cos")
         sin = b.op("Sin", [freqs], "sin")
@@ -438,22 +566,25 @@ def _build_torch23(b: _GraphBuilder, cfg: DecoderConfig) -> None:
         (v,) = b.op_multi(
             "Concat", [f"past_key_values.{i}.value", v], [f"present.{i}.value"], axis=-2
         )
-        y = b.op(
-            "Attention",
-            [q, repeat_kv(k, "k"), repeat_kv(v, "v"), mask],
-            "sdpa",
-            scale=1.0 / math.sqrt(hd),
-            softcap=float(cfg.softcap),
-            is_causal=0,
-            qk_matmul_output_mode=0,
-        )
+        if decomposed:
+            y = sdpa(q, repeat_kv(k, "k"), repeat_kv(v, "v"))
+        else:
+            y = b.op(
+                "Attention",
+                [q, repeat_kv(k, "k"), repeat_kv(v, "v"), mask],
+                "sdpa",
+                scale=1.0 / math.sqrt(hd),
+                softcap=float(cfg.softcap),
+                is_causal=0,
+                qk_matmul_output_mode=0,
+            )
         y = b.op("Transpose", [y], "sdpa_bsnh", perm=[0, 2, 1, 3])
         bsd = shape("bsd", batch_1d, seq_1d, b.ints(-1))
         return b.op("Reshape", [y, bsd], "sdpa_bsd", allowzero=1)
 
     for i in range(cfg.layers):
-        x = _layer(b, i, x, attention)
-    x = _rms_norm(b, x, "model.norm.weight", "final_norm")
+        x = _layer(b, i, x, attention, norm)
+    x = norm(b, x, "model.norm.weight", "final_norm")
     b.op_multi("MatMul", [x, "lm_head.weight"], ["logits"])
 
 
@@ -554,7 +685,7 @@ def build_decoder(cfg: DecoderConfig) -> onnx.ModelProto:
     b = _GraphBuilder()
     for name, array in decoder_weights(cfg).items():
         b.initializer(name, array)
-    (_build_torch23 if cfg.style == "torch23" else _build_mobius)(b, cfg)
+    (_build_mobius if cfg.style == "mobius" else _build_torch23)(b, cfg)
 
     dt, kv, hd = cfg.onnx_dtype, cfg.kv_heads, cfg.head_dim
     int64 = TensorProto.INT64
@@ -585,7 +716,7 @@ def build_decoder(cfg: DecoderConfig) -> onnx.ModelProto:
     )
     return helper.make_model(
         graph,
-        opset_imports=[helper.make_opsetid("", OPSET)],
+        opset_imports=[helper.make_opsetid("", OPSET_TORCH18 if cfg.style == "torch18" else OPSET)],
         ir_version=IR_VERSION,
         producer_name="epfuse.tests.model_builder",
     )

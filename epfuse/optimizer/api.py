@@ -103,7 +103,11 @@ def optimize_with_report(
         options = OptimizeOptions(max_seq_len=max_seq_len, skip_layers=frozenset(skip))
         report = PassManager().run(work, record, dtype, options)
         if not report.layers:
-            raise UnsupportedModelError("no attention found in the model (nothing to optimize)")
+            why = [f"{r.name}: {reason}" for r in report.rules for reason in r.kept_reasons]
+            detail = f" (kept: {'; '.join(why)})" if why else ""
+            raise UnsupportedModelError(
+                f"no attention found in the model (nothing to optimize){detail}"
+            )
         report.assumptions.extend(probe_notes)
         if validate_output:
             note = validate(work)

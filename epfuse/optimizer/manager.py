@@ -63,9 +63,19 @@ class PassManager:
             rule.name: RuleReport(rule.name, rule.stage.value, selected=True) for rule in self.rules
         }
 
-        canonical_kept = self._sweep(
-            ctx, [r for r in self.rules if r.stage is Stage.CANONICALIZE], rule_reports, {}
-        )
+        canonical = []
+        for rule in self.rules:
+            if rule.stage is not Stage.CANONICALIZE:
+                continue
+            # Canonicalize rules that emit newer standard ops ask whether the EP runs them
+            # (or what they are lowered to); the others never object.
+            reason = rule.requires(ctx.ops, ep)
+            if reason is None:
+                canonical.append(rule)
+            else:
+                rule_reports[rule.name].selected = False
+                rule_reports[rule.name].not_selected_because = reason
+        canonical_kept = self._sweep(ctx, canonical, rule_reports, {})
         layers = self._label_layers(graph)
         report.layers = layers
         for node, reason in canonical_kept:
@@ -145,6 +155,8 @@ class PassManager:
             if not changed:
                 for (rule_name, _), (node, reason) in kept_now.items():
                     rule_reports[rule_name].kept += 1
+                    if reason not in rule_reports[rule_name].kept_reasons:
+                        rule_reports[rule_name].kept_reasons.append(reason)
                     layer = layers.get(_layer_of(node))
                     if layer is not None and node.graph is graph:
                         layer.reasons.append(reason)

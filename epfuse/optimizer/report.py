@@ -31,6 +31,9 @@ class RuleReport:
     not_selected_because: str | None = None
     rewritten: int = 0
     kept: int = 0
+    kept_reasons: list[str] = dataclasses.field(default_factory=list)
+    """Distinct reasons given when the rule kept a node (e.g. a decomposed attention that was
+    not lifted, which no layer entry records since no Attention op exists for it)."""
 
 
 @dataclasses.dataclass

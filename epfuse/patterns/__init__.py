@@ -5,8 +5,10 @@ from .base import Kept, OptimizeOptions, RewriteContext, Rewritten, Rule, Stage
 from .canonicalize.kv_cache import KVConcatToAttentionPast
 from .canonicalize.partial_rotary import PartialRotaryToRotaryDim
 from .canonicalize.repeat_kv import RemoveRepeatKV
+from .canonicalize.rms_norm import DecomposedRMSNormToRMSNormalization
 from .canonicalize.rope_caches import RopeCosSinToCaches
 from .canonicalize.rotate_half import RotateHalfToRotaryEmbedding
+from .canonicalize.sdpa import DecomposedAttentionToAttention
 from .canonicalize.softmax_attention import SoftmaxAttentionToAttention
 from .lower.gqa import AttentionToGQA
 from .lower.mrope import MRopeLowering
@@ -21,8 +23,12 @@ from .lower.pack_qkv import PackQKV
 from .lower.qk_norm import QKNormIntoGQA
 
 RULES: tuple[Rule, ...] = (
+    # Both anchor on Softmax; the decomposed-SDPA rule (a superset: split scales, torch's
+    # reshaped K^T, NaN guard, float32 softmax casts, opset raise) is offered each node first.
+    DecomposedAttentionToAttention(),
     SoftmaxAttentionToAttention(),
     RotateHalfToRotaryEmbedding(),
+    DecomposedRMSNormToRMSNormalization(),
     RopeCosSinToCaches(),
     PartialRotaryToRotaryDim(),
     RemoveRepeatKV(),

@@ -202,6 +202,17 @@ def shape_vector(value: ir.Value | None, _depth: int = 0) -> list[Dim] | None:
                 return None
             out.extend(part)
         return out
+    if op == "Slice":
+        data = shape_vector(node.inputs[0], _depth + 1)
+        starts, ends = const_ints(input_at(node, 1)), const_ints(input_at(node, 2))
+        axes, steps = input_at(node, 3), input_at(node, 4)
+        if data is None or starts is None or ends is None or len(starts) != 1 or len(ends) != 1:
+            return None
+        if axes is not None and const_ints(axes) not in ([0], [-1]):
+            return None
+        if steps is not None and const_ints(steps) != [1]:
+            return None
+        return data[starts[0] : ends[0]]  # Python clamps like ONNX for step 1
     if op == "Gather":
         data = shape_vector(node.inputs[0], _depth + 1)
         idx = const_ints(node.inputs[1])
@@ -229,3 +240,26 @@ def shape_vector(value: ir.Value | None, _depth: int = 0) -> list[Dim] | None:
 
 def same_dim(a: Dim, b: Dim) -> bool:
     return a == b
+
+
+def remove_dead(graph: ir.Graph, nodes: Sequence[ir.Node]) -> None:
+    """Remove those of ``nodes`` whose outputs nothing reads any more, and then the producers
+    that only they read (the shape vectors a matched chain computed for itself).
+
+    Rules call this after rerouting a matched chain, so that a later sweep is not offered
+    the dead chain again; nodes still read elsewhere (shared cos/sin, masks) stay. Each node
+    is removed at most once, so the work is linear in what is removed.
+    """
+    pending = list({id(n): n for n in nodes if n.graph is graph}.values())
+    while pending:
+        node = pending.pop()
+        if node.graph is not graph:
+            continue
+        if any(out.uses() or out.is_graph_output() for out in node.outputs):
+            continue
+        inputs = [v for v in node.inputs if v is not None]
+        graph.remove(node, safe=True)
+        for value in inputs:
+            upstream = value.producer()
+            if upstream is not None and upstream.graph is graph:
+                pending.append(upstream)

@@ -48,8 +48,9 @@ EXPECTED: dict[str, Expected] = {
     "llama3": Expected(),
     "llama-linear": Expected(),
     # yarn scales cos/sin by its attention factor; torch.onnx then leaves RoPE decomposed
-    # (rotate_half arithmetic), which is the opset-18 form and not lifted here.
-    "llama-yarn": Expected(rotary=False, rope_reason=NOT_ROTATED),
+    # (rotate_half arithmetic, the opset-18 form): canonicalize/rotate_half lifts it, and
+    # rope_caches folds the attention factor into the caches.
+    "llama-yarn": Expected(),
     "qwen2": Expected(),
     "mistral": Expected(windows=(W, W)),
     "gemma2": Expected(windows=(W, None), softcap=5.0),

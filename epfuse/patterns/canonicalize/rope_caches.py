@@ -1,6 +1,6 @@
 """Run-time cos/sin into constant caches: ``RotaryEmbedding(x, cos, sin)`` whose per-token
-``cos``/``sin`` are computed as ``Cos/Sin(Cast(position_ids[..., None]) * inv_freq)``
-becomes ``RotaryEmbedding(x, cos_cache, sin_cache, position_ids)``.
+``cos``/``sin`` are computed as ``Cos/Sin(Cast(position_ids[..., None]) * inv_freq)`` (or Hugging
+Face's ``inv_freq_expanded @ position_ids_expanded`` MatMul/Transpose form) becomes ``RotaryEmbedding(x, cos_cache, sin_cache, position_ids)``.
 
 The caches have ``max_seq_len`` rows and are computed once, in float64, from the graph's own
 ``inv_freq`` constant (and constant output scale, Hugging Face's ``attention_scaling``), then
@@ -14,15 +14,23 @@ import numpy as np
 import onnx_ir as ir
 
 from .._evaluate import SubgraphEvaluator
-from .._graph import Builder, const_array, const_scalar, input_at, producer
+from .._graph import Builder, attr, const_array, const_scalar, input_at, producer
 from ..base import Kept, RewriteContext, Rewritten, Rule, Stage
 
 
 def _trace_trig(value: ir.Value, trig: str):
-    """value = [Mul(scale)] [Cast] trig(freqs) -> (freqs, scale)."""
+    """value = trig(freqs) under at most one ``Mul(scale)`` and one ``Cast``, in either order
+    (Hugging Face computes ``(cos(emb) * attention_scaling).to(dtype)``) -> (freqs, scale)."""
     scale = 1.0
-    node = value.producer()
-    if node is not None and node.op_type == "Mul":
+    seen: set[str] = set()
+    for _ in range(2):
+        node = value.producer()
+        if node is None or node.op_type not in ("Mul", "Cast") or node.op_type in seen:
+            break
+        seen.add(node.op_type)
+        if node.op_type == "Cast":
+            value = node.inputs[0]
+            continue
         for a, b in ((0, 1), (1, 0)):
             s = const_scalar(node.inputs[b])
             if s is not None:
@@ -30,17 +38,59 @@ def _trace_trig(value: ir.Value, trig: str):
                 break
         else:
             return None
-    cast = producer(value, "Cast")
-    if cast is not None:
-        value = cast.inputs[0]
     trig_node = producer(value, trig)
     if trig_node is None:
         return None
     return trig_node.inputs[0], scale
 
 
+_PASS_THROUGH = ("Cast", "Unsqueeze", "Reshape", "Expand", "Identity", "Squeeze")
+
+
+def _through(value: ir.Value | None, steps: int = 6) -> ir.Value | None:
+    """Follow value-preserving ops (Cast, Unsqueeze, Reshape, Expand, ...) to their source."""
+    for _ in range(steps):
+        if value is None or value.const_value is not None:
+            return value
+        node = value.producer()
+        if node is None or node.op_type not in _PASS_THROUGH or node.domain != "":
+            return value
+        value = node.inputs[0]
+    return value
+
+
+def _positions(value: ir.Value | None) -> ir.Value | None:
+    if value is None or value.dtype not in (ir.DataType.INT64, ir.DataType.INT32):
+        return None
+    if value.shape is not None and len(value.shape) != 2:
+        return None
+    return value
+
+
 def _trace_freqs(freqs: ir.Value):
-    """freqs = Mul(Cast(Unsqueeze(positions, -1)), inv_freq) -> (positions, inv_freq)."""
+    """(positions, inv_freq) of the per-token angles, in the two exported forms:
+
+    * ``Mul(Cast(Unsqueeze(positions, -1)), inv_freq)`` (torch folds the K=1 matmul);
+    * ``Transpose(MatMul(Expand(inv_freq[None, :, None]), Cast(positions[:, None, :])),
+      [0, 2, 1])``, Hugging Face's ``inv_freq_expanded @ position_ids_expanded``.
+
+    Only the two sources are traced here; what the subgraph computes from them is proven by
+    evaluating it against the caches (``_prove``), so the pass-through ops need no more care.
+    """
+    transpose = producer(freqs, "Transpose")
+    if transpose is not None:
+        matmul = producer(transpose.inputs[0], "MatMul")
+        if matmul is None or list(attr(transpose, "perm", [])) != [0, 2, 1]:
+            return None
+        inv = _through(matmul.inputs[0])
+        inv_freq = const_array(inv)
+        positions = _positions(_through(matmul.inputs[1]))
+        if inv_freq is None or positions is None or inv_freq.dtype.kind != "f":
+            return None
+        if sum(d != 1 for d in inv_freq.shape) > 1:
+            return None  # not one frequency vector
+        inv_freq = inv_freq.reshape(-1)
+        return positions, inv_freq
     mul = producer(freqs, "Mul")
     if mul is None:
         return None
@@ -53,12 +103,8 @@ def _trace_freqs(freqs: ir.Value):
         if unsq is None:
             continue
         axes = const_array(input_at(unsq, 1))
-        positions = unsq.inputs[0]
-        if axes is None or axes.reshape(-1).tolist() not in ([-1], [2]):
-            continue
-        if positions.dtype not in (ir.DataType.INT64, ir.DataType.INT32):
-            continue
-        if positions.shape is not None and len(positions.shape) != 2:
+        positions = _positions(unsq.inputs[0])
+        if axes is None or axes.reshape(-1).tolist() not in ([-1], [2]) or positions is None:
             continue
         return positions, inv_freq
     return None
@@ -133,13 +179,19 @@ def _prove(graph, cos, sin, positions, cos_np, sin_np, max_len) -> str | None:
         return "cos/sin depend on more than the positions"
     sample = np.unique(np.linspace(0, max_len - 1, num=min(max_len, 97)).astype(np.int64))
     feeds = {positions.name: sample[None, :].astype(positions.dtype.numpy())}
-    got_cos, got_sin = evaluator(feeds)
+    try:
+        got_cos, got_sin = evaluator(feeds)
+    except Exception as err:  # e.g. a graph whose position_ids have a static shape
+        return f"the cos/sin subgraph could not be run on sampled positions ({type(err).__name__})"
     tol = 1e-6 + 2e-7 * max_len  # float32 angle rounding grows with the position
     if cos_np.dtype != np.float32:
         tol = max(tol, 2e-3)
     for got, ref in ((got_cos, cos_np), (got_sin, sin_np)):
         ref64 = ref[sample].astype(np.float64)
-        got64 = np.asarray(got, dtype=np.float64).reshape(ref64.shape)
+        got64 = np.asarray(got, dtype=np.float64)
+        if got64.size != ref64.size:
+            return "the run-time cos/sin do not have the width of the caches"
+        got64 = got64.reshape(ref64.shape)
         if not np.allclose(got64, ref64, atol=tol, rtol=0):
             return "the run-time cos/sin do not match caches built from inv_freq"
     return None

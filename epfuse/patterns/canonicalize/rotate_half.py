@@ -1,141 +1,460 @@
-"""Hugging Face ``apply_rotary_pos_emb`` written out in ops -> ONNX ``RotaryEmbedding``.
+"""Rotate-half RoPE written out in primitive ops -> ONNX ``RotaryEmbedding`` (opset 23).
 
-torch.onnx fuses the rotate-half idiom into ``RotaryEmbedding`` only when cos/sin have the
-plain Llama form. Qwen2-VL-style mRoPE mixes cos/sin from three position streams first, so
-the export keeps the arithmetic::
+Hugging Face's ``apply_rotary_pos_emb`` exported below opset 23 reads::
 
-    y = x * Unsqueeze(Concat(c, c), 1) + Concat(-x[..., H/2:], x[..., :H/2]) * Unsqueeze(Concat(s, s), 1)
+    x1, x2 = Slice(x, 0, D/2), Slice(x, D/2, end)            # last axis
+    y = x * Unsqueeze(cos, 1) + Concat(-x2, x1) * Unsqueeze(sin, 1)
 
-with x (B, N, S, H). That is exactly the non-interleaved ``RotaryEmbedding(x, c, s)`` with
-(B, S, H/2) cos/sin (the same products and sums, up to float rounding), so it is rewritten;
-the cos/sin computation is left as it is, for ``lower/mrope`` (or ``rope_caches``) to read.
+with ``cos``/``sin`` of shape (B, S, D) built as ``Cos/Sin(Concat(freqs, freqs))`` (times the
+``attention_scaling`` constant and/or Cast to the model dtype, in either order). That is
+``RotaryEmbedding(x, cos[..., :D/2], sin[..., :D/2])`` in the 3-input per-token form, provided
+``cos`` and ``sin`` really are two equal halves. The rule proves that structurally: the
+Concat's two inputs are one value, or provably equal subgraphs (same ops, attributes and
+constants); that holds before or after the trig op. The half is then rebuilt as ``trig(f)``
+(with the same Cast and scale), the form ``rope_caches`` turns into constant caches
+(evaluating the original subgraph to prove them).
 
-Every piece is checked: both slices split the last axis of the same x at H/2 with step 1,
-the negated half is the upper one and comes first, cos/sin are one value concatenated with
-itself on the last axis and unsqueezed on axis 1, and their batch and sequence dims are x's.
-Emitted only where the EP's record has ONNX ``RotaryEmbedding`` for the dtype.
+Interleaved (GPT-J / Cohere ``rotate_every_two``)::
+
+    rot = Reshape(Concat(Unsqueeze(-x[..., 1::2], -1), Unsqueeze(x[..., ::2], -1)), [B,N,S,D])
+    y = x * cos + rot * sin,  cos = Cos(Reshape(Expand(Unsqueeze(f, -1), [1,1,1,2]), [B,S,-1]))
+
+becomes ``RotaryEmbedding(..., interleaved=1)`` on ``trig(f)``, once the cos/sin are proven to
+be ``repeat_interleave(f, 2)`` (the Expand repeats only the new last axis, the Reshape merges
+it back while keeping the leading axes).
+
+Partial rotary (``Concat(rope(Slice(x, 0, R)), Slice(x, R, end))``) becomes one
+``RotaryEmbedding(x, ..., rotary_embedding_dim=R)``, which passes the rest through.
+
+Not handled (left unchanged, so still correct): cos/sin not provably duplicated halves (or
+pairs, interleaved), inputs that are not (B, N, S, D) (e.g. RoPE applied before the head
+transpose), rotations written in other orders.
 """
 
 from __future__ import annotations
 
 import onnx_ir as ir
 
-from .._graph import attr, const_ints, dim, input_at, producer
+from .._graph import (
+    attr,
+    const_array,
+    const_ints,
+    const_scalar,
+    dim,
+    input_at,
+    producer,
+    remove_dead,
+    replace_value,
+    shape_vector,
+)
+from .._opset import require_default_opset
 from ..base import Kept, RewriteContext, Rewritten, Rule, Stage
 
-_BIG = 2**31 - 1
+_INT64_MAX = 2**63 - 1
 
 
-def _last_axis(axes: list[int] | None, rank: int) -> bool:
-    return axes is not None and len(axes) == 1 and axes[0] in (-1, rank - 1)
-
-
-def _slice_of(value: ir.Value, rank: int) -> tuple[ir.Value, int, int] | None:
-    """value = Slice(x, [start], [end], [last axis], [1]) -> (x, start, end)."""
-    node = producer(value, "Slice")
-    if node is None:
+def _last_axis_slice(node: ir.Node | None, x: ir.Value, rank: int) -> tuple[int, int] | None:
+    """(start, end) of ``Slice(x, start, end, axes=[-1])`` with unit step."""
+    if node is None or node.op_type != "Slice" or node.inputs[0] is not x:
         return None
     starts, ends = const_ints(input_at(node, 1)), const_ints(input_at(node, 2))
     axes, steps = input_at(node, 3), input_at(node, 4)
     if starts is None or ends is None or len(starts) != 1 or len(ends) != 1:
         return None
-    if axes is None or not _last_axis(const_ints(axes), rank):
+    if axes is None or const_ints(axes) not in ([-1], [rank - 1]):
         return None
     if steps is not None and const_ints(steps) != [1]:
         return None
-    return node.inputs[0], starts[0], ends[0]
+    return starts[0], ends[0]
 
 
-def _rotated_half(value: ir.Value, rank: int, head: int) -> ir.Value | None:
-    """value = Concat(Neg(x[..., h:]), x[..., :h]) on the last axis -> x."""
-    node = producer(value, "Concat")
-    if node is None or len(node.inputs) != 2 or attr(node, "axis") not in (-1, rank - 1):
+def _static_last(value: ir.Value) -> int | None:
+    if value.shape is None or not value.shape:
         return None
-    neg = producer(node.inputs[0], "Neg")
-    if neg is None:
-        return None
-    upper, lower = _slice_of(neg.inputs[0], rank), _slice_of(node.inputs[1], rank)
-    if upper is None or lower is None or upper[0] is not lower[0]:
-        return None
-    half = head // 2
-    if lower[1:] != (0, half) or upper[1] != half or upper[2] < head:
-        return None
-    return lower[0]
+    d = value.shape[-1]
+    return d if isinstance(d, int) else None
 
 
-def _doubled(value: ir.Value) -> ir.Value | None:
-    """value = Unsqueeze(Concat(c, c, axis=-1), [1]) -> c (B, S, H/2)."""
+def _rotate_half_source(rotated: ir.Value, chain: list[ir.Node]) -> ir.Value | None:
+    """x when ``rotated = Concat(Neg(x[..., D/2:]), x[..., :D/2])`` on the last axis."""
+    concat = producer(rotated, "Concat")
+    if concat is None or len(concat.inputs) != 2 or attr(concat, "axis") not in (-1, 3):
+        return None
+    neg = producer(concat.inputs[0], "Neg")
+    second = producer(neg.inputs[0], "Slice") if neg else None
+    first = producer(concat.inputs[1], "Slice")
+    if second is None or first is None or second.inputs[0] is not first.inputs[0]:
+        return None
+    x = first.inputs[0]
+    width = _static_last(x)
+    if x.shape is None or len(x.shape) != 4 or width is None or width % 2:
+        return None
+    half = width // 2
+    if _last_axis_slice(first, x, 4) not in ((0, half),):
+        return None
+    got = _last_axis_slice(second, x, 4)
+    if got is None or got[0] not in (half, half - width) or got[1] < width:
+        return None
+    chain.extend([concat, neg, second, first])
+    return x
+
+
+def _strided_slice(node: ir.Node | None, rank: int) -> tuple[ir.Value, int] | None:
+    """(x, start) of ``Slice(x, start, >= end, axes=[-1], steps=[2])``."""
+    if node is None or node.op_type != "Slice":
+        return None
+    x = node.inputs[0]
+    starts, ends = const_ints(input_at(node, 1)), const_ints(input_at(node, 2))
+    axes, steps = const_ints(input_at(node, 3)), const_ints(input_at(node, 4))
+    width = _static_last(x)
+    if starts is None or ends is None or width is None or steps != [2]:
+        return None
+    if axes not in ([-1], [rank - 1]) or len(starts) != 1 or ends[0] < width:
+        return None
+    return x, starts[0]
+
+
+def _accepts(term, allowed, allowzero: int) -> bool:
+    """A Reshape target entry that keeps an axis: 0 (copy), or the same run-time term."""
+    return (term == 0 and not allowzero) or term in allowed
+
+
+def _interleaved_source(rotated: ir.Value, chain: list[ir.Node]) -> ir.Value | None:
+    """x when ``rotated = Reshape(Concat(Unsqueeze(-x[..., 1::2], -1), Unsqueeze(x[..., ::2],
+    -1), axis=-1), [B, N, S, D])``: GPT-J / Cohere ``rotate_every_two``, which pairs
+    (x[2i], x[2i+1]) -- ONNX RotaryEmbedding's ``interleaved=1``."""
+    reshape = producer(rotated, "Reshape")
+    concat = producer(reshape.inputs[0], "Concat") if reshape else None
+    if concat is None or len(concat.inputs) != 2 or attr(concat, "axis") not in (-1, 4):
+        return None
+    unsq_neg, unsq_x = (
+        producer(concat.inputs[0], "Unsqueeze"),
+        producer(concat.inputs[1], "Unsqueeze"),
+    )
+    if unsq_neg is None or unsq_x is None:
+        return None
+    if const_ints(input_at(unsq_neg, 1)) not in ([-1], [4]):
+        return None
+    if const_ints(input_at(unsq_x, 1)) not in ([-1], [4]):
+        return None
+    neg = producer(unsq_neg.inputs[0], "Neg")
+    odd = _strided_slice(producer(neg.inputs[0], "Slice"), 4) if neg else None
+    even = _strided_slice(producer(unsq_x.inputs[0], "Slice"), 4)
+    if odd is None or even is None or odd[0] is not even[0] or (even[1], odd[1]) != (0, 1):
+        return None
+    x = even[0]
+    width = _static_last(x)
+    if x.shape is None or len(x.shape) != 4 or width is None or width % 2:
+        return None
+    target = shape_vector(reshape.inputs[1])
+    allowzero = attr(reshape, "allowzero", 0)
+    if target is None or len(target) != 4 or target.count(-1) > 1:
+        return None
+    for axis in range(3):
+        if not _accepts(target[axis], (dim(x, axis), -1), allowzero):
+            return None
+    if target[3] not in (width, -1):
+        return None
+    chain.extend([reshape, concat, unsq_neg, unsq_x, neg, neg.inputs[0].producer()])
+    chain.append(unsq_x.inputs[0].producer())
+    return x
+
+
+def _repeat_interleave_source(value: ir.Value) -> ir.Value | None:
+    """f when ``value = Reshape(Expand(Unsqueeze(f, -1), [1, .., 1, 2]), [B, S, -1])``:
+    ``repeat_interleave(f, 2, dim=-1)``, i.e. [f0, f0, f1, f1, ...]."""
+    reshape = producer(value, "Reshape")
+    expand = producer(reshape.inputs[0], "Expand") if reshape else None
+    unsq = producer(expand.inputs[0], "Unsqueeze") if expand else None
+    if unsq is None or const_ints(input_at(unsq, 1)) not in ([-1], [3]):
+        return None
+    f = unsq.inputs[0]
+    if f.shape is None or len(f.shape) != 3 or _static_last(f) is None:
+        return None
+    repeat = const_ints(expand.inputs[1])
+    if repeat is None or len(repeat) > 4 or repeat[-1] != 2 or any(r != 1 for r in repeat[:-1]):
+        return None
+    target = shape_vector(reshape.inputs[1])
+    allowzero = attr(reshape, "allowzero", 0)
+    if target is None or len(target) != 3 or target.count(-1) > 1:
+        return None
+    for axis in range(2):
+        allowed = (dim(f, axis), dim(unsq.outputs[0], axis), dim(expand.outputs[0], axis), -1)
+        if not _accepts(target[axis], allowed, allowzero):
+            return None
+    if target[2] not in (2 * _static_last(f), -1):
+        return None
+    return f
+
+
+def _unsqueezed_heads(value: ir.Value, chain: list[ir.Node]) -> ir.Value | None:
+    """c (B, S, D) when ``value = Unsqueeze(c, [1])`` (broadcast over heads)."""
     unsq = producer(value, "Unsqueeze")
-    if unsq is None or const_ints(input_at(unsq, 1)) != [1]:
+    if unsq is None or const_ints(input_at(unsq, 1)) not in ([1], [-3]):
         return None
-    cat = producer(unsq.inputs[0], "Concat")
-    if cat is None or len(cat.inputs) != 2 or cat.inputs[0] is not cat.inputs[1]:
-        return None
-    c = cat.inputs[0]
-    if c.shape is None or len(c.shape) != 3 or attr(cat, "axis") not in (-1, 2):
-        return None
+    c = unsq.inputs[0]
+    if c.shape is not None and len(c.shape) != 3:
+        return None  # (an unknown shape is settled on the half, which must be rank 3)
+    chain.append(unsq)
     return c
 
 
-def _split_mul(node: ir.Node | None) -> list[tuple[ir.Value, ir.Value]]:
-    if node is None or node.op_type != "Mul" or node.domain not in ("", "ai.onnx"):
-        return []
-    a, b = node.inputs
-    return [(a, b), (b, a)]
+def _same_computation(a: ir.Value, b: ir.Value, depth: int = 0) -> bool:
+    """a and b are provably equal: the same value, equal constants, or outputs of the same op
+    (type, attributes, output index) on provably equal inputs. Exporters sometimes emit a
+    duplicated subgraph instead of reusing one value."""
+    if a is b:
+        return True
+    if depth > 8 or a is None or b is None:
+        return False
+    ca, cb = const_array(a), const_array(b)
+    if ca is not None or cb is not None:
+        return (
+            ca is not None
+            and cb is not None
+            and ca.dtype == cb.dtype
+            and (ca.shape == cb.shape and bool((ca == cb).all()))
+        )
+    na, nb = a.producer(), b.producer()
+    if na is None or nb is None or (na.domain, na.op_type) != (nb.domain, nb.op_type):
+        return False
+    if a.index() != b.index() or len(na.inputs) != len(nb.inputs):
+        return False
+    if na.op_type in _NONDETERMINISTIC:
+        return False
+    attrs_a = {k: repr(v.value) for k, v in na.attributes.items()}
+    attrs_b = {k: repr(v.value) for k, v in nb.attributes.items()}
+    if attrs_a != attrs_b:
+        return False
+    return all(
+        _same_computation(x, y, depth + 1) for x, y in zip(na.inputs, nb.inputs, strict=True)
+    )
+
+
+_NONDETERMINISTIC = (
+    "RandomNormal",
+    "RandomNormalLike",
+    "RandomUniform",
+    "RandomUniformLike",
+    "Multinomial",
+    "Bernoulli",
+    "Dropout",
+)
+
+
+def _equal_halves(value: ir.Value) -> ir.Value | None:
+    """h when ``value = Concat(h, h')`` on the last axis with h' provably equal to h."""
+    concat = producer(value, "Concat")
+    if concat is None or len(concat.inputs) != 2 or attr(concat, "axis") not in (-1, 2):
+        return None
+    h = concat.inputs[0]
+    if h is None or h.shape is None or len(h.shape) != 3:
+        return None
+    return h if _same_computation(h, concat.inputs[1]) else None
+
+
+def _half_plan(full: ir.Value, trig: str, interleaved: bool = False):
+    """(trig node or None, h, [Cast/Mul steps, innermost first]) when ``full`` is, under at
+    most one ``Mul`` by a scalar constant and one ``Cast`` (in either order), either
+    ``trig(Concat(f, f))`` (h = f, trig re-applied) or ``Concat(t, t)`` (h = t): each half of
+    ``full`` is then exactly the same steps applied to ``trig(f)`` (or t)."""
+    outer_first: list[ir.Node] = []
+    value = full
+    for _ in range(2):
+        node = value.producer()
+        if node is None or node.domain != "" or any(n.op_type == node.op_type for n in outer_first):
+            break
+        if node.op_type == "Cast":
+            outer_first.append(node)
+            value = node.inputs[0]
+        elif node.op_type == "Mul":
+            for b in (0, 1):
+                operand = node.inputs[b]
+                shape = operand.shape
+                if const_scalar(operand) is not None and shape is not None and len(shape) <= 1:
+                    outer_first.append(node)
+                    value = node.inputs[1 - b]
+                    break
+            else:
+                return None
+        else:
+            break
+    steps = list(reversed(outer_first))
+    undo = _repeat_interleave_source if interleaved else _equal_halves
+    half = undo(value)
+    if half is not None:
+        return None, half, steps
+    trig_node = producer(value, trig)
+    half = undo(trig_node.inputs[0]) if trig_node else None
+    if half is None:
+        return None
+    return trig_node, half, steps
+
+
+def _half(ctx: RewriteContext, full: ir.Value, plan, before: ir.Node) -> ir.Value:
+    """Build (once per ``full``, so Q and K share it) the half-width value of a plan."""
+    key = ("rotate-half", id(full))
+    if key not in ctx.cache:
+        prefix = f"epfuse/rope_half/{full.name or len(ctx.cache)}"
+        ctx.cache[key] = _rebuild(ctx.graph, before, prefix, *plan)
+    return ctx.cache[key]
+
+
+def _rebuild(
+    graph: ir.Graph,
+    before: ir.Node,
+    prefix: str,
+    trig_node: ir.Node | None,
+    half: ir.Value,
+    steps: list[ir.Node],
+) -> ir.Value:
+    templates = ([trig_node] if trig_node is not None else []) + steps
+    value = half
+    for i, template in enumerate(templates):
+        inputs = [value] if template is trig_node else _swap(template, value)
+        node = ir.node(
+            template.op_type,
+            inputs,
+            {k: a for k, a in template.attributes.items()},
+            name=f"{prefix}/{template.op_type}_{i}",
+        )
+        node.outputs[0].name = f"{node.name}_out"
+        graph.insert_before(before, node)
+        value = node.outputs[0]
+    return value
+
+
+def _swap(template: ir.Node, value: ir.Value) -> list[ir.Value]:
+    """The template's inputs with its (single) non-constant input replaced by ``value``."""
+    if template.op_type == "Cast":
+        return [value]
+    return [value if const_scalar(i) is None else i for i in template.inputs]
 
 
 class RotateHalfToRotaryEmbedding(Rule):
     name = "rotate-half-to-rotary-embedding"
     stage = Stage.CANONICALIZE
     anchor = ("", "Add")
-    description = "x*cos + rotate_half(x)*sin (exported arithmetic) -> RotaryEmbedding(x, cos, sin)"
+    description = "x*cos + rotate_half(x)*sin -> ONNX RotaryEmbedding (opset 23)"
+
+    def requires(self, ops, ep):
+        gqa = ops.gqa
+        fused = gqa is not None and gqa.fused_rotary and gqa.rotary_position_ids
+        if not (ops.rotary_embedding or fused):
+            return f"{ep.name} has no ONNX RotaryEmbedding (nor GQA fused rotary) for this dtype"
+        return None
 
     def apply(self, node: ir.Node, ctx: RewriteContext):
-        if len(node.inputs) != 2 or any(v is None for v in node.inputs):
+        matched = self._match(node)
+        if matched is None:
             return None
-        match = self._match(node)
-        if match is None:
-            return None
-        x, cos, sin = match
-        if not ctx.ops.rotary_embedding:
-            return Kept(f"{ctx.ep.name} has no ONNX RotaryEmbedding for {ctx.dtype}")
-        for c in (cos, sin):
-            if c.dtype != x.dtype:
-                return Kept("cos/sin and the rotated input differ in dtype")
-            if dim(c, 0) != dim(x, 0) or dim(c, 1) != dim(x, 2):
+        x, cos_full, sin_full, chain, interleaved = matched
+        reason = self.requires(ctx.ops, ctx.ep)
+        if reason:  # the pass manager does not select the rule then; direct callers ask here
+            return Kept(reason)
+        width = _static_last(x)
+        for c in (cos_full, sin_full):
+            d = _static_last(c)
+            if d is not None and d != width:
+                return Kept("cos/sin width differs from the rotated width")
+        partial = self._partial(node, x)
+        cos_plan = _half_plan(cos_full, "Cos", interleaved)
+        sin_plan = _half_plan(sin_full, "Sin", interleaved)
+        if cos_plan is None or sin_plan is None:
+            return Kept("cos/sin are not proven to be two equal halves [c, c]")
+        for _, half, steps in (cos_plan, sin_plan):
+            casts = [n for n in steps if n.op_type == "Cast"]
+            dtype = ir.DataType(attr(casts[-1], "to")) if casts else half.dtype
+            if dtype != x.dtype:
+                return Kept("cos/sin do not have the dtype of the rotated input")
+            # RotaryEmbedding reads cos/sin per (batch, token): they must not broadcast.
+            if dim(half, 0) != dim(x, 0) or dim(half, 1) != dim(x, 2):
                 return Kept("cos/sin are not (batch, seq) like the rotated input")
-        out = node.outputs[0]
-        if out.is_graph_output():
-            return Kept("the rotated value is a graph output")
+        reason = require_default_opset(ctx.model, 23, ctx.cache)
+        if reason:
+            return Kept(reason)
+        cos_half = _half(ctx, cos_full, cos_plan, node)
+        sin_half = _half(ctx, sin_full, sin_plan, node)
+        attributes = {"interleaved": int(interleaved)}
+        target = node.outputs[0]
+        source = x
+        if partial is not None:
+            source, concat, tail = partial
+            attributes["rotary_embedding_dim"] = width
+            chain = [concat, *chain, x.producer(), tail]
+            target = concat.outputs[0]
         rope = ir.node(
             "RotaryEmbedding",
-            [x, cos, sin],
-            {"interleaved": 0},
+            [source, cos_half, sin_half],
+            attributes,
             name=f"{node.name or 'rope'}/RotaryEmbedding",
         )
         ctx.graph.insert_before(node, rope)
-        rope.outputs[0].shape, rope.outputs[0].type = out.shape, out.type
-        rope.outputs[0].name = f"{rope.name}/output"
-        out.replace_all_uses_with(rope.outputs[0])
-        ctx.graph.remove(node, safe=True)  # the rest of the arithmetic goes in the cleanup
-        return Rewritten("rotate-half arithmetic -> RotaryEmbedding")
+        out = rope.outputs[0]
+        out.shape, out.type = target.shape, target.type
+        if target.name and not target.is_graph_output():
+            out.name, target.name = target.name, None
+        replace_value(target, out)
+        remove_dead(ctx.graph, chain)
+        kind = f"partial {width}" if partial is not None else "full"
+        kind += ", interleaved" if interleaved else ""
+        return Rewritten(f"rotate-half RoPE ({kind}) -> RotaryEmbedding")
 
     @staticmethod
-    def _match(node: ir.Node) -> tuple[ir.Value, ir.Value, ir.Value] | None:
-        for first, second in ((0, 1), (1, 0)):
-            for x, cos_full in _split_mul(node.inputs[first].producer()):
-                if x.shape is None or len(x.shape) != 4 or not isinstance(x.shape[3], int):
+    def _match(node: ir.Node):
+        if len(node.inputs) != 2:
+            return None
+        for a, b in ((0, 1), (1, 0)):
+            sin_mul = producer(node.inputs[b], "Mul")
+            cos_mul = producer(node.inputs[a], "Mul")
+            if sin_mul is None or cos_mul is None:
+                continue
+            for i, j in ((0, 1), (1, 0)):
+                chain = [node, sin_mul, cos_mul]
+                interleaved = False
+                x = _rotate_half_source(sin_mul.inputs[i], chain)
+                if x is None:
+                    interleaved = True
+                    x = _interleaved_source(sin_mul.inputs[i], chain)
+                if x is None:
                     continue
-                head = x.shape[3]
-                if head % 2:
+                sin4 = sin_mul.inputs[j]
+                if cos_mul.inputs[0] is x:
+                    cos4 = cos_mul.inputs[1]
+                elif cos_mul.inputs[1] is x:
+                    cos4 = cos_mul.inputs[0]
+                else:
                     continue
-                for rotated, sin_full in _split_mul(node.inputs[second].producer()):
-                    if _rotated_half(rotated, 4, head) is not x:
-                        continue
-                    cos, sin = _doubled(cos_full), _doubled(sin_full)
-                    if cos is None or sin is None:
-                        continue
-                    if dim(cos, 2) != head // 2 or dim(sin, 2) != head // 2:
-                        continue
-                    return x, cos, sin
+                cos_full = _unsqueezed_heads(cos4, chain)
+                sin_full = _unsqueezed_heads(sin4, chain)
+                if cos_full is None or sin_full is None:
+                    continue
+                return x, cos_full, sin_full, chain, interleaved
         return None
+
+    @staticmethod
+    def _partial(node: ir.Node, x: ir.Value):
+        """(full input, Concat, pass-through Slice) when x = full[..., :R] and the result is concatenated back
+        with full[..., R:] on the last axis."""
+        head = producer(x, "Slice")
+        if head is None:
+            return None
+        full = head.inputs[0]
+        if full.shape is None or len(full.shape) != 4 or _static_last(full) is None:
+            return None
+        width = _static_last(x)
+        if _last_axis_slice(head, full, 4) != (0, width) or width >= _static_last(full):
+            return None
+        uses = list(node.outputs[0].uses())
+        if len(uses) != 1 or node.outputs[0].is_graph_output():
+            return None
+        concat = uses[0].node
+        if concat.op_type != "Concat" or attr(concat, "axis") not in (-1, 3):
+            return None
+        if len(concat.inputs) != 2 or concat.inputs[0] is not node.outputs[0]:
+            return None
+        tail = producer(concat.inputs[1], "Slice")
+        got = _last_axis_slice(tail, full, 4) if tail else None
+        if got is None or got[0] != width or got[1] < _static_last(full):
+            return None
+        return full, concat, tail

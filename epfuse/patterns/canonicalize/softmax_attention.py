@@ -109,6 +109,11 @@ class SoftmaxAttentionToAttention(Rule):
     description = "MatMul/scale/softcap/mask/Softmax/MatMul chain -> ONNX Attention"
 
     def apply(self, node: ir.Node, ctx: RewriteContext):
+        opsets = ctx.model.opset_imports
+        if opsets.get("", opsets.get("ai.onnx", 0)) < 23:
+            # Attention is an opset-23 op: below, ``sdpa`` lifts the chain and raises the
+            # opset only where that is proven safe; this rule must not emit it unraised.
+            return None
         probs = node.outputs[0]
         uses = list(probs.uses())
         if len(uses) != 1 or probs.is_graph_output():

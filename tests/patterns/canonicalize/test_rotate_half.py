@@ -1,6 +1,9 @@
-"""The rotate-half arithmetic of an export becomes RotaryEmbedding only when it is exactly it."""
+"""Rotate-half RoPE -> ONNX RotaryEmbedding, then constant caches: small graphs run on ORT
+before and after; forms that are not provably rotate-half are left alone."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 import onnx
@@ -10,90 +13,235 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from epfuse.capabilities import get_ep
+from epfuse.optimizer.manager import _infer_types
 from epfuse.patterns import Kept, OptimizeOptions, RewriteContext, Rewritten
+from epfuse.patterns.canonicalize.rope_caches import RopeCosSinToCaches
 from epfuse.patterns.canonicalize.rotate_half import RotateHalfToRotaryEmbedding
 
-B, N, S, H = 2, 3, 5, 8
+B, N, S, H = 2, 3, 5, 16
+BIG = 2**63 - 1
 
 
-def _model(*, swap_halves: bool = False, split: int = H // 2) -> onnx.ModelProto:
-    """y = x * [c, c] + [-x2, x1] * [s, s] as torch.onnx writes HF's apply_rotary_pos_emb."""
-    consts = {
-        "zero": [0],
-        "half": [split],
-        "end": [2**63 - 1],
-        "axis": [3],
-        "one": [1],
-    }
-    inits = [numpy_helper.from_array(np.array(v, np.int64), k) for k, v in consts.items()]
-    nodes = [
-        helper.make_node("Slice", ["x", "zero", "half", "axis", "one"], ["x1"]),
-        helper.make_node("Slice", ["x", "half", "end", "axis", "one"], ["x2"]),
-        helper.make_node("Neg", ["x2"], ["neg"]),
-        helper.make_node(
-            "Concat", ["x1", "neg"] if swap_halves else ["neg", "x1"], ["rot"], axis=-1
-        ),
-        helper.make_node("Concat", ["c", "c"], ["cc"], axis=-1),
-        helper.make_node("Concat", ["s", "s"], ["ss"], axis=-1),
-        helper.make_node("Unsqueeze", ["cc", "one"], ["c4"]),
-        helper.make_node("Unsqueeze", ["ss", "one"], ["s4"]),
-        helper.make_node("Mul", ["x", "c4"], ["xc"]),
-        helper.make_node("Mul", ["rot", "s4"], ["rs"]),
-        helper.make_node("Add", ["xc", "rs"], ["rotated"]),
-        helper.make_node("Identity", ["rotated"], ["y"]),
+@dataclasses.dataclass
+class Variant:
+    rotary: int = H  # < H: partial rotary, rest passed through
+    scaling: float | None = None  # attention_scaling Mul on cos/sin
+    dtype: int = TensorProto.FLOAT
+    # "same": Concat(f, f) | "twin": Concat(f, f') with f' a duplicate of f's subgraph |
+    # "after-trig": Concat(Cos(f), Cos(f')) | "different": Concat(f, 2f) |
+    # "lookalike": Concat(f, f') with f' the same ops on an inv_freq differing in one entry
+    halves: str = "same"
+    order: str = "neg-first"  # "neg-first" (HF) | "swapped" (Concat(x1, -x2): not rotate-half)
+    split: int | None = None  # first-half width (default rotary // 2)
+    scale_then_cast: bool = False  # HF: (cos(emb) * scaling).to(dtype), vs Cast then Mul
+    freqs_form: str = "mul"  # "mul" (torch folds the K=1 matmul) | "matmul" (HF's expanded)
+    interleaved: bool = False  # GPT-J/Cohere rotate_every_two on repeat_interleave'd cos/sin
+    interleaved_cos: bool | None = None  # cos/sin built interleaved (default: as the rotation)
+
+
+def _graph(v: Variant) -> onnx.ModelProto:
+    np_dtype = helper.tensor_dtype_to_np_dtype(v.dtype)
+    nodes, inits = [], []
+
+    def const(name, value, dtype=np.int64):
+        inits.append(numpy_helper.from_array(np.array(value, dtype=dtype), name))
+        return name
+
+    def op(op_type, inputs, out, **attrs):
+        nodes.append(helper.make_node(op_type, inputs, [out], **attrs))
+        return out
+
+    const("a1", [1])
+    half = v.rotary // 2
+    inv_freq = 1.0 / (10000.0 ** (np.arange(0, v.rotary, 2) / v.rotary))
+    if v.freqs_form == "matmul":
+        # inv_freq[None, :, None].expand(B, -1, 1) @ position_ids[:, None, :].float(), then .T
+        inv3 = op(
+            "Unsqueeze", [const("inv_freq", inv_freq, np.float32), const("a02", [0, 2])], "i3"
+        )
+        batch = op("Shape", ["position_ids"], "batch", start=0, end=1)
+        target = op("Concat", [batch, const("tail", [half, 1])], "target", axis=0)
+        expanded = op("Expand", [inv3, target], "inv_expanded")
+        pos = op("Cast", [op("Unsqueeze", ["position_ids", "a1"], "p3")], "pf", to=1)
+        freqs = op("Transpose", [op("MatMul", [expanded, pos], "mm")], "freqs", perm=[0, 2, 1])
+    else:
+        pos = op("Cast", [op("Unsqueeze", ["position_ids", const("a2", [2])], "p3")], "pf", to=1)
+        freqs = op("Mul", [pos, const("inv_freq", inv_freq, np.float32)], "freqs")
+    second = freqs
+    if v.halves == "different":
+        second = op("Mul", [freqs, const("two", 2.0, np.float32)], "freqs2")
+    elif v.halves in ("twin", "after-trig", "lookalike"):
+        assert v.freqs_form == "mul"
+        other = inv_freq.copy()
+        if v.halves == "lookalike":
+            other[-1] *= 1.5
+        pos2 = op("Cast", [op("Unsqueeze", ["position_ids", "a2"], "p3b")], "pfb", to=1)
+        second = op("Mul", [pos2, const("inv_freq_b", other, np.float32)], "freqs_b")
+    if v.halves == "after-trig":
+        cos = op("Concat", [op("Cos", [freqs], "c1"), op("Cos", [second], "c2")], "cos", axis=-1)
+        sin = op("Concat", [op("Sin", [freqs], "s1"), op("Sin", [second], "s2")], "sin", axis=-1)
+    elif v.interleaved if v.interleaved_cos is None else v.interleaved_cos:
+        f4 = op("Unsqueeze", [freqs, const("a3", [3])], "f4")
+        pairs = op("Expand", [f4, const("rep2", [1, 1, 1, 2])], "pairs")
+        bs = op("Shape", [freqs], "bs", start=0, end=-1)
+        emb = op("Reshape", [pairs, op("Concat", [bs, const("m1", [-1])], "es", axis=0)], "emb")
+        cos, sin = op("Cos", [emb], "cos"), op("Sin", [emb], "sin")
+    else:
+        emb = op("Concat", [freqs, second], "emb", axis=-1)
+        cos, sin = op("Cos", [emb], "cos"), op("Sin", [emb], "sin")
+    steps = ["cast", "scale"] if not v.scale_then_cast else ["scale", "cast"]
+    for step in steps:
+        if step == "cast" and v.dtype != TensorProto.FLOAT:
+            cos, sin = (
+                op("Cast", [cos], "cos_t", to=v.dtype),
+                op("Cast", [sin], "sin_t", to=v.dtype),
+            )
+        if step == "scale" and v.scaling is not None:
+            scale_dtype = np.float32 if v.scale_then_cast else np_dtype
+            scale = const("scaling", v.scaling, scale_dtype)
+            cos, sin = op("Mul", [cos, scale], "cos_s"), op("Mul", [sin, scale], "sin_s")
+    cos4 = op("Unsqueeze", [cos, "a1"], "cos4")
+    sin4 = op("Unsqueeze", [sin, "a1"], "sin4")
+
+    def last_slice(x, start, end, out):
+        return op("Slice", [x, const(f"{out}_s", [start]), const(f"{out}_e", [end]), "ax3"], out)
+
+    const("ax3", [3])
+    x = "x"
+    if v.rotary < H:
+        x = last_slice("x", 0, v.rotary, "x_rot")
+    if v.interleaved:
+        two = const("two_step", [2])
+        even = op("Slice", [x, const("zero", [0]), const("big", [BIG]), "ax3", two], "even")
+        odd = op("Slice", [x, const("one", [1]), "big", "ax3", two], "odd")
+        neg = op("Unsqueeze", [op("Neg", [odd], "neg"), const("last", [-1])], "neg5")
+        pos = op("Unsqueeze", [even, "last"], "even5")
+        parts = [neg, pos] if v.order == "neg-first" else [pos, neg]
+        stack = op("Concat", parts, "stack", axis=-1)
+        bns = op("Shape", [x], "bns", start=0, end=3)
+        flat = op("Concat", [bns, const("width", [v.rotary])], "flat", axis=0)
+        turned = op("Reshape", [stack, flat], "turned")
+    else:
+        split = v.split or half
+        x1, x2 = last_slice(x, 0, split, "x1"), last_slice(x, split, BIG, "x2")
+        neg = op("Neg", [x2], "neg")
+        parts = [neg, x1] if v.order == "neg-first" else [x1, neg]
+        turned = op("Concat", parts, "turned", axis=-1)
+    y = op("Add", [op("Mul", [x, cos4], "xc"), op("Mul", [turned, sin4], "xs")], "y_rot")
+    if v.rotary < H:
+        y = op("Concat", [y, last_slice("x", v.rotary, BIG, "x_pass")], "y_cat", axis=-1)
+    op("Identity", [y], "y")
+    inputs = [
+        helper.make_tensor_value_info("x", v.dtype, ["batch", N, "seq", H]),
+        helper.make_tensor_value_info("position_ids", TensorProto.INT64, ["batch", "seq"]),
     ]
-    f = TensorProto.FLOAT
     graph = helper.make_graph(
         nodes,
         "rope",
-        [
-            helper.make_tensor_value_info("x", f, ["batch", N, "seq", H]),
-            helper.make_tensor_value_info("c", f, ["batch", "seq", H // 2]),
-            helper.make_tensor_value_info("s", f, ["batch", "seq", H // 2]),
-        ],
-        [helper.make_tensor_value_info("y", f, ["batch", N, "seq", H])],
-        initializer=inits,
+        inputs,
+        [helper.make_tensor_value_info("y", v.dtype, ["batch", N, "seq", H])],
+        inits,
     )
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23)], ir_version=10)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
 
 
-def _apply(proto: onnx.ModelProto, ep: str = "cpu"):
-    model = ir.serde.deserialize_model(proto)
-    ctx = RewriteContext(model, get_ep(ep), "float32", OptimizeOptions())
-    add = next(n for n in model.graph if n.op_type == "Add")
-    return RotateHalfToRotaryEmbedding().apply(add, ctx), ir.serde.serialize_model(model)
+def _ctx(model: onnx.ModelProto):
+    ir_model = ir.serde.deserialize_model(model)
+    _infer_types(ir_model)
+    dtype = "float16" if model.graph.input[0].type.tensor_type.elem_type == 10 else "float32"
+    return ir_model, RewriteContext(ir_model, get_ep("cpu"), dtype, OptimizeOptions(256))
 
 
-def _run(proto, feeds):
-    sess = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
-    return sess.run(None, feeds)[0]
+def _rope_add(ir_model: ir.Model) -> ir.Node:
+    return next(n for n in ir_model.graph if n.op_type == "Add" and n.outputs[0].name == "y_rot")
 
 
-def test_lifts_to_rotary_embedding_and_stays_equal():
-    original = _model()
-    outcome, rewritten = _apply(original)
-    assert isinstance(outcome, Rewritten)
-    ropes = [n for n in rewritten.graph.node if n.op_type == "RotaryEmbedding"]
-    assert len(ropes) == 1 and list(ropes[0].input) == ["x", "c", "s"]
-    assert not any(n.op_type == "Add" for n in rewritten.graph.node)
+def _run(model: onnx.ModelProto, feeds) -> np.ndarray:
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    session = ort.InferenceSession(
+        model.SerializeToString(), options, providers=["CPUExecutionProvider"]
+    )
+    return session.run(None, feeds)[0]
+
+
+def _feeds(dtype) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(0)
-    angles = rng.uniform(0, 6, (B, S, H // 2))
-    feeds = {
-        "x": rng.standard_normal((B, N, S, H)).astype(np.float32),
-        "c": np.cos(angles).astype(np.float32),
-        "s": np.sin(angles).astype(np.float32),
-    }
-    # the same products and sums; ORT's kernel may round them differently (fused multiply-add)
-    np.testing.assert_allclose(_run(rewritten, feeds), _run(original, feeds), atol=1e-6, rtol=1e-6)
+    x = rng.standard_normal((B, N, S, H)).astype(helper.tensor_dtype_to_np_dtype(dtype))
+    positions = np.array([[0, 1, 2, 3, 4], [7, 8, 9, 200, 255]], dtype=np.int64)
+    return {"x": x, "position_ids": positions}
 
 
-@pytest.mark.parametrize("variant", [{"swap_halves": True}, {"split": 3}])
-def test_other_arithmetic_is_not_matched(variant):
-    outcome, _ = _apply(_model(**variant))
-    assert outcome is None
+FUSED = {
+    "full": Variant(),
+    "attention-scaling": Variant(scaling=0.75),
+    "partial": Variant(rotary=8),
+    "fp16-cast": Variant(dtype=TensorProto.FLOAT16),
+    "fp16-scaled-then-cast": Variant(dtype=TensorProto.FLOAT16, scaling=0.8, scale_then_cast=True),
+    "matmul-freqs": Variant(freqs_form="matmul"),
+    "duplicated-subgraph": Variant(halves="twin"),
+    "halves-after-trig-fp16": Variant(halves="after-trig", dtype=TensorProto.FLOAT16, scaling=0.5),
+    "matmul-freqs-partial-scaled": Variant(freqs_form="matmul", rotary=8, scaling=1.25),
+    "interleaved": Variant(interleaved=True),
+    "interleaved-partial-fp16": Variant(interleaved=True, rotary=8, dtype=TensorProto.FLOAT16),
+}
 
 
-def test_ep_without_rotary_embedding_keeps_it():
-    outcome, rewritten = _apply(_model(), ep="dml")
-    assert isinstance(outcome, Kept) and "no ONNX RotaryEmbedding" in outcome.reason
-    assert not any(n.op_type == "RotaryEmbedding" for n in rewritten.graph.node)
+@pytest.mark.parametrize("name", list(FUSED))
+def test_rotate_half_becomes_rotary_embedding_then_caches(name):
+    v = FUSED[name]
+    original = _graph(v)
+    ir_model, ctx = _ctx(original)
+    outcome = RotateHalfToRotaryEmbedding().apply(_rope_add(ir_model), ctx)
+    assert isinstance(outcome, Rewritten), outcome
+    rope = next(n for n in ir_model.graph if n.op_type == "RotaryEmbedding")
+    assert rope.attributes["interleaved"].value == int(v.interleaved)
+    width = rope.attributes.get("rotary_embedding_dim")
+    assert (width.value if width else H) == v.rotary
+    assert rope.inputs[0].name == "x"  # partial: the whole head, the rest passed through
+    assert ir_model.opset_imports[""] == 23
+    stage1 = ir.to_proto(ir_model)
+    onnx.checker.check_model(stage1, full_check=True)
+    assert not {"Neg", "Slice"} & {n.op_type for n in stage1.graph.node}
+
+    # The half-width cos/sin are the form rope_caches proves and turns into caches.
+    outcome = RopeCosSinToCaches().apply(rope, ctx)
+    assert isinstance(outcome, Rewritten), outcome
+    cos_cache = rope.inputs[1].const_value.numpy()
+    assert cos_cache.shape == (256, v.rotary // 2)
+    stage2 = ir.to_proto(ir_model)
+    onnx.checker.check_model(stage2, full_check=True)
+
+    feeds = _feeds(v.dtype)
+    want = _run(original, feeds).astype(np.float32)
+    tol = 2e-3 if v.dtype == TensorProto.FLOAT16 else 1e-5
+    for model in (stage1, stage2):
+        np.testing.assert_allclose(_run(model, feeds).astype(np.float32), want, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("halves", ["different", "lookalike"])
+def test_unequal_halves_are_kept(halves):
+    """cos = Cos(Concat(f, g)) with g != f is not [c, c]: its first half would be wrong."""
+    ir_model, ctx = _ctx(_graph(Variant(halves=halves)))
+    outcome = RotateHalfToRotaryEmbedding().apply(_rope_add(ir_model), ctx)
+    assert isinstance(outcome, Kept) and "halves" in outcome.reason
+    assert not any(n.op_type == "RotaryEmbedding" for n in ir_model.graph)
+    assert ir_model.opset_imports[""] == 18
+
+
+def test_interleaved_rotation_with_concatenated_halves_is_kept():
+    """An interleaved rotation needs [c0, c0, c1, c1, ...]; Concat(f, f) is [c, c]."""
+    ir_model, ctx = _ctx(_graph(Variant(interleaved=True, interleaved_cos=False)))
+    outcome = RotateHalfToRotaryEmbedding().apply(_rope_add(ir_model), ctx)
+    assert isinstance(outcome, Kept) and "halves" in outcome.reason
+    assert not any(n.op_type == "RotaryEmbedding" for n in ir_model.graph)
+
+
+@pytest.mark.parametrize(
+    "variant",
+    [Variant(order="swapped"), Variant(split=6), Variant(interleaved=True, order="swapped")],
+)
+def test_other_rotations_are_not_matched(variant):
+    ir_model, ctx = _ctx(_graph(variant))
+    assert RotateHalfToRotaryEmbedding().apply(_rope_add(ir_model), ctx) is None
+    assert not any(n.op_type == "RotaryEmbedding" for n in ir_model.graph)

@@ -1,0 +1,440 @@
+"""Decomposed scaled-dot-product attention -> ONNX ``Attention`` (opset 23).
+
+Below opset 23 ``torch.onnx`` writes ``F.scaled_dot_product_attention`` (and eager HF
+attention) out as primitive ops::
+
+    scores = MatMul(Q * a, K^T * b) * c            # the scale on Q, K and/or the scores
+    scores = softcap * Tanh(scores / softcap)       # optional (Gemma-2 style)
+    scores = scores + mask                          # optional additive float mask
+    P      = Softmax(scores, axis=-1)               # optionally Cast to float32 and back
+    P      = Where(IsNaN(P), 0, P)                  # optional NaN guard (torch's SDPA)
+    Y      = MatMul(P, V)
+
+which is exactly ONNX ``Attention(Q, K, V, mask, scale=a*b*c, softcap=...)``. Checked before
+anything changes: Q, K, V are rank 4; K^T is K with its last two axes swapped (a
+``Transpose(perm=[0,1,3,2])`` or torch's ``Reshape(-1,T,H) -> Transpose(0,2,1) ->
+Reshape(B,N,H,T)`` whose targets are proven from ``Shape(K)``); every scale is a constant
+scalar; the softmax runs over the last axis; the mask has the model dtype and rank <= 4.
+
+The NaN guard only differs from plain softmax on rows whose softmax is NaN. With finite Q/K
+that happens only when a whole row of the mask is -inf, so the guard is accepted only when the
+mask is proven finite (``Where`` of finite constants, or a finite constant, through shape-only
+ops) or absent; then both graphs compute the same numbers.
+
+The emitted op is opset 23, so the model's default opset is raised (see ``_opset``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import onnx_ir as ir
+
+from .._graph import (
+    attr,
+    const_array,
+    const_ints,
+    const_scalar,
+    dim,
+    producer,
+    remove_dead,
+    replace_value,
+    shape_vector,
+)
+from .._layout import last_dim
+from .._opset import require_default_opset
+from ..base import Kept, RewriteContext, Rewritten, Rule, Stage
+
+_FLOATS = (ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16, ir.DataType.DOUBLE)
+
+
+def _rank(value: ir.Value) -> int | None:
+    return None if value.shape is None else len(value.shape)
+
+
+def _scalar_operand(node: ir.Node) -> tuple[float, ir.Value] | None:
+    """(c, x) when the binary ``node`` has one constant scalar operand c (rank <= 4)."""
+    for a, b in ((0, 1), (1, 0)):
+        array = const_array(node.inputs[b])
+        if array is None or array.size != 1 or array.ndim > 4 or array.dtype.kind != "f":
+            continue
+        if node.inputs[a].const_value is None:
+            return float(array.reshape(-1)[0]), node.inputs[a]
+    return None
+
+
+def _peel_scale(value: ir.Value, chain: list[ir.Node]) -> tuple[ir.Value, float]:
+    """Strip ``Mul``/``Div`` by constant scalars; the product of the factors."""
+    factor = 1.0
+    for _ in range(4):
+        node = value.producer()
+        if node is None or node.domain != "":
+            break
+        if node.op_type == "Mul" and (got := _scalar_operand(node)) is not None:
+            factor *= got[0]
+            value = got[1]
+        elif node.op_type == "Div" and (divisor := const_scalar(node.inputs[1])) is not None:
+            if divisor == 0 or node.inputs[0].const_value is not None:
+                break
+            if const_array(node.inputs[1]).ndim > 4:
+                break
+            factor /= divisor
+            value = node.inputs[0]
+        else:
+            break
+        chain.append(node)
+    return value, factor
+
+
+def _untranspose(kt: ir.Value, chain: list[ir.Node]) -> ir.Value | None:
+    """K when ``kt`` is K (B, N, T, H) with its last two axes swapped."""
+    transpose = producer(kt, "Transpose")
+    if transpose is not None:
+        if list(attr(transpose, "perm", [])) != [0, 1, 3, 2]:
+            return None
+        chain.append(transpose)
+        return transpose.inputs[0]
+    # torch: Reshape(K, [-1, T, H]) -> Transpose(0, 2, 1) -> Reshape([B, N, H, T])
+    outer = producer(kt, "Reshape")
+    transpose = producer(outer.inputs[0], "Transpose") if outer else None
+    inner = producer(transpose.inputs[0], "Reshape") if transpose else None
+    if inner is None or list(attr(transpose, "perm", [])) != [0, 2, 1]:
+        return None
+    k = inner.inputs[0]
+    if _rank(k) != 4:
+        return None
+    first, last = shape_vector(inner.inputs[1]), shape_vector(outer.inputs[1])
+    d = [dim(k, i) for i in range(4)]
+    if first != [-1, d[2], d[3]] or last != [d[0], d[1], d[3], d[2]]:
+        return None
+    chain.extend([outer, transpose, inner])
+    return k
+
+
+def _proven_finite(value: ir.Value, depth: int = 0) -> bool:
+    """The value holds only finite numbers whatever the inputs (Where of finite constants)."""
+    if depth > 8:
+        return False
+    array = const_array(value)
+    if array is not None:
+        return array.dtype.kind == "f" and bool(np.isfinite(array).all())
+    node = value.producer()
+    if node is None or node.domain != "":
+        return False
+    if node.op_type == "Where":
+        return _proven_finite(node.inputs[1], depth + 1) and _proven_finite(
+            node.inputs[2], depth + 1
+        )
+    if node.op_type in ("Expand", "Reshape", "Unsqueeze", "Squeeze", "Slice", "Identity"):
+        return _proven_finite(node.inputs[0], depth + 1)
+    return False
+
+
+class _Match:
+    def __init__(self) -> None:
+        self.chain: list[ir.Node] = []
+        self.scale = 1.0
+        self.softcap = 0.0
+        self.mask: ir.Value | None = None
+        self.softmax_precision: int | None = None
+
+
+def _parse_softcap(value: ir.Value, m: _Match) -> ir.Value:
+    """Strip ``cap * Tanh(x / cap)``; records the cap."""
+    mul = producer(value, "Mul")
+    got = _scalar_operand(mul) if mul else None
+    tanh = producer(got[1], "Tanh") if got else None
+    if tanh is None or got[0] <= 0:
+        return value
+    cap = got[0]
+    inner = tanh.inputs[0].producer()
+    if inner is None or inner.domain != "":
+        return value
+    if inner.op_type == "Div" and const_scalar(inner.inputs[1]) == cap:
+        x = inner.inputs[0]
+    elif (
+        inner.op_type == "Mul"
+        and (g := _scalar_operand(inner))
+        and math.isclose(g[0] * cap, 1.0, rel_tol=1e-6)
+    ):
+        x = g[1]
+    else:
+        return value
+    m.softcap = cap
+    m.chain.extend([mul, tanh, inner])
+    return x
+
+
+def _parse_scores(scores: ir.Value, m: _Match) -> tuple[ir.Value, ir.Value] | str | None:
+    """(Q, K) of ``scores = scale * Q @ K^T`` (softcap, scale already parsed here)."""
+    value = _parse_softcap(scores, m)
+    value, factor = _peel_scale(value, m.chain)
+    matmul = producer(value, "MatMul")
+    if matmul is None:
+        return None
+    m.chain.append(matmul)
+    q, fq = _peel_scale(matmul.inputs[0], m.chain)
+    kt, fk1 = _peel_scale(matmul.inputs[1], m.chain)
+    k = _untranspose(kt, m.chain)
+    if k is None:
+        return "the second MatMul operand is not K with its last two axes swapped"
+    k, fk2 = _peel_scale(k, m.chain)
+    m.scale = factor * fq * fk1 * fk2
+    return q, k
+
+
+class DecomposedAttentionToAttention(Rule):
+    name = "decomposed-attention-to-attention"
+    stage = Stage.CANONICALIZE
+    anchor = ("", "Softmax")
+    description = "MatMul/scale/mask/Softmax/MatMul attention -> ONNX Attention (opset 23)"
+
+    def requires(self, ops, ep):
+        if not (ops.attention or ops.gqa is not None):
+            return f"{ep.name} runs neither ONNX Attention nor GroupQueryAttention"
+        return None
+
+    def apply(self, node: ir.Node, ctx: RewriteContext):
+        m = _Match()
+        m.chain.append(node)
+        probs = node.outputs[0]
+        # Optional float32 softmax: Cast(T -> float) before, Cast(float -> T) after.
+        upcast = producer(node.inputs[0], "Cast")
+        scores = node.inputs[0]
+        if upcast is not None and attr(upcast, "to") == ir.DataType.FLOAT:
+            scores = upcast.inputs[0]
+            m.chain.append(upcast)
+        consumer = _single_consumer(probs)
+        if upcast is not None and scores is not node.inputs[0]:
+            if (
+                consumer is None
+                or consumer.op_type != "Cast"
+                or attr(consumer, "to") != (scores.dtype)
+            ):
+                return None
+            m.chain.append(consumer)
+            probs = consumer.outputs[0]
+            if scores.dtype != ir.DataType.FLOAT:
+                m.softmax_precision = int(ir.DataType.FLOAT)
+        probs, guarded = _strip_nan_guard(probs, m)
+        pv = _single_consumer(probs)
+        if pv is None or pv.op_type != "MatMul" or pv.domain != "" or pv.inputs[0] is not probs:
+            return None
+        m.chain.append(pv)
+        v = pv.inputs[1]
+
+        parsed = self._parse_masked_scores(scores, m)
+        if parsed is None:
+            return None
+        if isinstance(parsed, str):
+            return Kept(parsed)
+        q, k = parsed
+
+        reason = self._check(node, q, k, v, m, guarded)
+        if reason:
+            return Kept(reason)
+        gqa = ctx.ops.gqa
+        if m.softcap and not (ctx.ops.attention_softcap or (gqa is not None and gqa.softcap)):
+            return Kept(f"{ctx.ep.name} applies a softcap in neither Attention nor GQA")
+        heads = [_head_count(x) for x in (q, k, v)]
+        reason = require_default_opset(ctx.model, 23, ctx.cache)
+        if reason:
+            return Kept(reason)
+
+        attributes: dict[str, object] = {"scale": float(m.scale)}
+        if m.softcap:
+            attributes["softcap"] = float(m.softcap)
+        if m.softmax_precision is not None:
+            attributes["softmax_precision"] = m.softmax_precision
+        fused = ir.node(
+            "Attention",
+            [q, k, v] + ([m.mask] if m.mask is not None else []),
+            attributes,
+            name=f"{pv.name or 'attention'}/Attention",
+            metadata_props=dict(pv.metadata_props),
+        )
+        ctx.graph.insert_before(pv, fused)
+        for value, count in zip((q, k, v), heads, strict=True):
+            _record_heads(value, count)
+        y, old = fused.outputs[0], pv.outputs[0]
+        y.shape, y.type = old.shape, old.type
+        if old.name and not old.is_graph_output():
+            y.name, old.name = old.name, None
+        replace_value(old, y)
+        remove_dead(ctx.graph, list(reversed(m.chain)))
+        note = f"scale {m.scale:g}"
+        if m.softcap:
+            note += f", softcap {m.softcap:g}"
+        return Rewritten(note + (", masked" if m.mask is not None else ""))
+
+    @staticmethod
+    def _parse_masked_scores(scores: ir.Value, m: _Match):
+        add = producer(scores, "Add")
+        if add is not None:
+            for a, b in ((0, 1), (1, 0)):
+                trial = _Match()
+                parsed = _parse_scores(add.inputs[a], trial)
+                if parsed is None:
+                    continue
+                m.chain += [add, *trial.chain]
+                m.scale, m.softcap, m.mask = trial.scale, trial.softcap, add.inputs[b]
+                return parsed
+        trial = _Match()
+        parsed = _parse_scores(scores, trial)
+        if parsed is not None:
+            m.chain += trial.chain
+            m.scale, m.softcap = trial.scale, trial.softcap
+        return parsed
+
+    @staticmethod
+    def _check(softmax: ir.Node, q, k, v, m: _Match, guarded: bool) -> str | None:
+        for name, value in (("Q", q), ("K", k), ("V", v)):
+            if _rank(value) != 4:
+                return f"{name} is not rank 4 (batch, heads, seq, head_size)"
+            if value.dtype not in _FLOATS:
+                return f"{name} is not floating point"
+        if not (q.dtype == k.dtype == v.dtype):
+            return "Q, K and V differ in dtype"
+        axis = attr(softmax, "axis")
+        if axis is None:  # the default was 1 (on a 2-D coercion) before opset 13
+            axis = -1 if _default_opset(softmax) >= 13 else 1
+        if axis not in (-1, 3):
+            return f"softmax over axis {axis}, not the key axis"
+        hq, hk = dim(q, 3), dim(k, 3)
+        if isinstance(hq, int) and isinstance(hk, int) and hq != hk:
+            return "Q and K head sizes differ"
+        nq, nk, nv = _head_count(q), _head_count(k), _head_count(v)
+        if not all(isinstance(n, int) for n in (nq, nk, nv)):
+            return "head counts are not static"
+        if nk != nv or nq % nk:
+            return "query heads are not a multiple of the K/V heads"
+        if not math.isfinite(m.scale) or m.scale == 0:
+            return "the attention scale is not a finite non-zero number"
+        if m.mask is not None:
+            if m.mask.dtype != q.dtype:
+                return "the additive mask does not have the model dtype"
+            if _rank(m.mask) is None or _rank(m.mask) > 4:
+                return "the mask rank is unknown or above 4"
+        if guarded and m.mask is not None and not _proven_finite(m.mask):
+            return "the softmax NaN guard is kept: the mask is not proven finite"
+        return None
+
+
+_ELEMENTWISE = ("Add", "Sub", "Mul", "Div", "Neg", "Cast", "Identity", "Where")
+_LAST_AXIS = ((-1,), (3,))
+
+
+def _head_count(value: ir.Value, depth: int = 0, axis: int = 1) -> int | None:
+    """The static size of ``axis`` (by default 1, the heads of (B, N, S, H)) of a rank-4 value.
+
+    From its shape when ONNX inference knew it; else from the op that made it: a Reshape
+    target (repeat_kv; ``[B, S, -1, H]`` resolved from the input's static width), a Transpose
+    (the axis it came from), or ops that keep or broadcast the axis (elementwise ops: the
+    broadcast maximum of their rank-4 operands; Slice and Concat on the last axis;
+    RotaryEmbedding; normalizations over the last axis, e.g. Qwen3's q/k norms).
+    """
+    known = dim(value, axis)
+    if isinstance(known, int):
+        return known
+    node = value.producer()
+    if node is None or depth > 12 or node.domain != "":
+        return None
+    op = node.op_type
+    if op == "Reshape":
+        target = shape_vector(node.inputs[1])
+        if target is None or len(target) != 4:
+            return None
+        got = target[axis]
+        if isinstance(got, int) and got > 0:
+            return got
+        width, head_size = last_dim(node.inputs[0]), target[3]
+        if got == -1 and axis == 2 and isinstance(head_size, int) and head_size > 0 and width:
+            return width // head_size if width % head_size == 0 else None
+        return None
+    if op == "Transpose":
+        perm = list(attr(node, "perm", []))
+        if len(perm) != 4:
+            return None
+        return _head_count(node.inputs[0], depth + 1, perm[axis])
+    if op == "Slice":
+        axes = const_ints(node.inputs[3]) if len(node.inputs) > 3 else None
+        keeps = axes in ([-1], [3]) and axis != 3
+        return _head_count(node.inputs[0], depth + 1, axis) if keeps else None
+    if op == "Concat":
+        if attr(node, "axis") not in (-1, 3) or axis == 3:
+            return None
+        return _head_count(node.inputs[0], depth + 1, axis)
+    if op in ("RotaryEmbedding", "RMSNormalization", "LayerNormalization"):
+        if op != "RotaryEmbedding" and attr(node, "axis", -1) not in (-1, 3):
+            return None
+        return _head_count(node.inputs[0], depth + 1, axis)
+    if op in _ELEMENTWISE:
+        counts = []
+        for operand in node.inputs:
+            if operand is None or (
+                operand.const_value is not None
+                and operand.shape is not None
+                and len(operand.shape) < 2
+            ):
+                continue
+            rank = _rank(operand)
+            if rank is None or rank > 4:
+                return None
+            if rank < 4:  # right-aligned broadcast: does it reach the axis?
+                position = axis - (4 - rank)
+                if position < 0:
+                    continue
+                size = dim(operand, position)
+                if not isinstance(size, int):
+                    return None
+                counts.append(size)
+                continue
+            got = _head_count(operand, depth + 1, axis)
+            if got is None:
+                return None
+            counts.append(got)
+        return max(counts) if counts else None
+    return None
+
+
+def _record_heads(value: ir.Value, heads: int) -> None:
+    """Write a proven head count into a value's shape where ONNX inference left it unknown,
+    so later rules (GQA lowering) read it without re-deriving it."""
+    if value.shape is None or isinstance(value.shape[1], int) or value.is_graph_input():
+        return  # known already, or part of the model's signature (left as declared)
+    dims = list(value.shape)
+    dims[1] = heads
+    value.shape = ir.Shape(dims)
+
+
+def _default_opset(node: ir.Node) -> int:
+    graph = node.graph
+    opsets = graph.opset_imports if graph is not None else {}
+    return opsets.get("", opsets.get("ai.onnx", 1))
+
+
+def _single_consumer(value: ir.Value) -> ir.Node | None:
+    uses = list(value.uses())
+    if len(uses) != 1 or value.is_graph_output():
+        return None
+    return uses[0].node
+
+
+def _strip_nan_guard(probs: ir.Value, m: _Match) -> tuple[ir.Value, bool]:
+    """``Where(IsNaN(P), 0, P)`` -> its output (the caller proves the guard is a no-op)."""
+    uses = list(probs.uses())
+    if len(uses) != 2 or probs.is_graph_output():
+        return probs, False
+    isnan = next((u.node for u in uses if u.node.op_type == "IsNaN"), None)
+    where = next((u.node for u in uses if u.node.op_type == "Where"), None)
+    if isnan is None or where is None:
+        return probs, False
+    if where.inputs[0] is not isnan.outputs[0] or where.inputs[2] is not probs:
+        return probs, False
+    if const_scalar(where.inputs[1]) != 0.0 or len(list(isnan.outputs[0].uses())) != 1:
+        return probs, False
+    if const_ints(where.inputs[1]) is not None:
+        return probs, False
+    m.chain.extend([isnan, where])
+    return where.outputs[0], True

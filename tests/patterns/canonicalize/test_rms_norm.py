@@ -1,0 +1,145 @@
+"""Decomposed RMSNorm -> ONNX RMSNormalization: small graphs run on ORT before and after;
+norms whose rewrite would round differently (or is not an RMSNorm) are left alone."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from epfuse.capabilities import get_ep
+from epfuse.optimizer.manager import _infer_types
+from epfuse.optimizer.tolerances import tolerance_for
+from epfuse.patterns import Kept, OptimizeOptions, RewriteContext, Rewritten
+from epfuse.patterns.canonicalize.rms_norm import DecomposedRMSNormToRMSNormalization
+
+D = 32
+EPS = 1e-6
+
+
+@dataclasses.dataclass
+class Variant:
+    dtype: int = TensorProto.FLOAT
+    casts: bool = False  # half precision: Cast to float32 and back around the normalization
+    inverse: str = "reciprocal"  # "reciprocal" (Mul by Reciprocal) | "div"
+    square: str = "pow"  # "pow" | "mul" | "pow3"
+    axes: tuple[int, ...] = (-1,)
+    weight: str = "vector"  # "vector" | "one_plus" (Gemma's 1 + w) | "full" (per token)
+
+
+def _graph(v: Variant) -> onnx.ModelProto:
+    np_dtype = helper.tensor_dtype_to_np_dtype(v.dtype)
+    rng = np.random.default_rng(1)
+    nodes, inits = [], []
+
+    def const(name, value, dtype=np.float32):
+        inits.append(numpy_helper.from_array(np.array(value, dtype=dtype), name))
+        return name
+
+    def op(op_type, inputs, out, **attrs):
+        nodes.append(helper.make_node(op_type, inputs, [out], **attrs))
+        return out
+
+    x = op("Cast", ["x"], "xf", to=TensorProto.FLOAT) if v.casts else "x"
+    if v.square == "mul":
+        sq = op("Mul", [x, x], "sq")
+    else:
+        sq = op("Pow", [x, const("p", 3.0 if v.square == "pow3" else 2.0)], "sq")
+    mean = op("ReduceMean", [sq, const("axes", list(v.axes), np.int64)], "mean", keepdims=1)
+    std = op("Sqrt", [op("Add", [mean, const("eps", EPS)], "var")], "std")
+    if v.inverse == "div":
+        normed = op("Div", [x, std], "normed")
+    else:
+        normed = op("Mul", [x, op("Reciprocal", [std], "rstd")], "normed")
+    if v.casts:
+        normed = op("Cast", [normed], "normed_t", to=v.dtype)
+    w = (1 + 0.1 * rng.standard_normal(D)).astype(np_dtype)
+    if v.weight == "full":
+        w = np.broadcast_to(w, (2, 3, D)).copy()
+    weight = const("w", w, np_dtype)
+    if v.weight == "one_plus":
+        weight = op("Add", [const("one", 1.0, np_dtype), weight], "w1")
+    op("Mul", [weight, normed], "y")
+    graph = helper.make_graph(
+        nodes,
+        "rms",
+        [helper.make_tensor_value_info("x", v.dtype, [2, 3, D])],
+        [helper.make_tensor_value_info("y", v.dtype, [2, 3, D])],
+        inits,
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
+
+
+def _apply(model: onnx.ModelProto):
+    ir_model = ir.serde.deserialize_model(model)
+    _infer_types(ir_model)
+    ctx = RewriteContext(ir_model, get_ep("cpu"), "float32", OptimizeOptions())
+    reduce = next(n for n in ir_model.graph if n.op_type == "ReduceMean")
+    return ir_model, DecomposedRMSNormToRMSNormalization().apply(reduce, ctx)
+
+
+def _run(model: onnx.ModelProto, x: np.ndarray) -> np.ndarray:
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    session = ort.InferenceSession(
+        model.SerializeToString(), options, providers=["CPUExecutionProvider"]
+    )
+    return session.run(None, {"x": x})[0]
+
+
+FUSED = {
+    "fp32": Variant(),
+    "fp32-div": Variant(inverse="div"),
+    "fp32-mul-square": Variant(square="mul"),
+    "fp32-gemma-one-plus": Variant(weight="one_plus"),
+    "fp32-axis-2": Variant(axes=(2,)),
+    "fp16-casts": Variant(dtype=TensorProto.FLOAT16, casts=True),
+}
+
+
+@pytest.mark.parametrize("name", list(FUSED))
+def test_rewrites_and_computes_the_same(name):
+    v = FUSED[name]
+    original = _graph(v)
+    fused, outcome = _apply(original)
+    assert isinstance(outcome, Rewritten), outcome
+    proto = ir.to_proto(fused)
+    onnx.checker.check_model(proto, full_check=True)
+    node = next(n for n in proto.graph.node if n.op_type == "RMSNormalization")
+    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    assert attrs["axis"] == -1 and attrs["stash_type"] == 1
+    assert attrs["epsilon"] == pytest.approx(EPS)
+    assert node.input[0] == "x"  # the Casts moved inside (stash_type=1)
+    assert not {"Pow", "ReduceMean", "Sqrt", "Cast"} & {n.op_type for n in proto.graph.node}
+    np_dtype = helper.tensor_dtype_to_np_dtype(v.dtype)
+    x = (3 * np.random.default_rng(0).standard_normal((2, 3, D))).astype(np_dtype)
+    dtype = "float16" if v.dtype == TensorProto.FLOAT16 else "float32"
+    tol = tolerance_for(dtype)
+    got, want = _run(proto, x).astype(np.float32), _run(original, x).astype(np.float32)
+    np.testing.assert_allclose(got, want, rtol=tol.rtol, atol=tol.atol)
+    if dtype == "float16":  # same steps, same rounding: at most one fp16 ulp apart
+        assert np.abs(got - want).max() <= np.spacing(np.abs(want).max().astype(np.float16))
+
+
+def test_fp16_norm_computed_in_fp16_is_kept():
+    fused, outcome = _apply(_graph(Variant(dtype=TensorProto.FLOAT16)))
+    assert isinstance(outcome, Kept) and "float32" in outcome.reason
+    assert not any(n.op_type == "RMSNormalization" for n in fused.graph)
+
+
+def test_per_token_weight_is_kept():
+    fused, outcome = _apply(_graph(Variant(weight="full")))
+    assert isinstance(outcome, Kept) and "last axis only" in outcome.reason
+    assert fused.opset_imports[""] == 18
+
+
+@pytest.mark.parametrize("variant", [Variant(square="pow3"), Variant(axes=(1,))])
+def test_not_an_rms_norm(variant):
+    fused, outcome = _apply(_graph(variant))
+    assert outcome is None
+    assert not any(n.op_type == "RMSNormalization" for n in fused.graph)
