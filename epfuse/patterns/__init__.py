@@ -9,7 +9,6 @@ from .canonicalize.rms_norm import DecomposedRMSNormToRMSNormalization
 from .canonicalize.rope_caches import RopeCosSinToCaches
 from .canonicalize.rotate_half import RotateHalfToRotaryEmbedding
 from .canonicalize.sdpa import DecomposedAttentionToAttention
-from .canonicalize.softmax_attention import SoftmaxAttentionToAttention
 from .lower.gqa import AttentionToGQA
 from .lower.mrope import MRopeLowering
 from .lower.ms_rotary import OnnxRotaryToContrib
@@ -23,10 +22,7 @@ from .lower.pack_qkv import PackQKV
 from .lower.qk_norm import QKNormIntoGQA
 
 RULES: tuple[Rule, ...] = (
-    # Both anchor on Softmax; the decomposed-SDPA rule (a superset: split scales, torch's
-    # reshaped K^T, NaN guard, float32 softmax casts, opset raise) is offered each node first.
     DecomposedAttentionToAttention(),
-    SoftmaxAttentionToAttention(),
     RotateHalfToRotaryEmbedding(),
     DecomposedRMSNormToRMSNormalization(),
     RopeCosSinToCaches(),
