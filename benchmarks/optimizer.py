@@ -303,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
     layer_counts = [int(x) for x in (args.layers or ("2,8" if quick else "4,16,64,128")).split(",")]
     opsets = [int(x) for x in args.opsets.split(",")]
     repeats = args.repeats or (1 if quick else 3)
-    ox_timeout = args.onnxscript_timeout or (60.0 if quick else 300.0)
+    ox_timeout = args.onnxscript_timeout or (60.0 if quick else 180.0)
     folder = _common.cache_dir(args.cache) / "optimizer"
     out_path = args.out or _common.RESULTS / ("optimizer-quick.json" if quick else "optimizer.json")
     print(f"# optimizer benchmark ({'quick' if quick else 'full'}); {_common.load_line()}")
