@@ -156,14 +156,14 @@ def save_hf_model(config, folder: Path) -> Path:
     from tokenizers.pre_tokenizers import Whitespace
     from transformers import PreTrainedTokenizerFast
 
-    from epfuse.testing.hf_export import _build_model
+    from epfuse.testing.hf_export import hf_model
 
     hf_dir = folder / "hf"
     if (hf_dir / "config.json").exists():
         return hf_dir
     tmp = folder / ".tmp-hf"
     shutil.rmtree(tmp, ignore_errors=True)
-    model, _ = _build_model(config, SEED, None)
+    model = hf_model(config, SEED)
     model.save_pretrained(tmp)
     vocab = {f"t{i}": i for i in range(int(config.vocab_size))}
     vocab.update({"<unk>": 0, "<s>": 1, "</s>": 2})
