@@ -12,7 +12,8 @@ level, as a user would run it), fed identical inputs, for:
 - ``chunk 64 @ 1024``: a 64-token chunk after a past of 1024 (chunked prefill)
 
 The candidates are interleaved round by round (so a load spike on the shared machine hits all
-of them alike); each cell is the median over all timed runs. Logits of every candidate are
+of them alike), with one untimed run at each switch; each cell is the median over all timed
+runs. Logits of every candidate are
 compared to the original export's on each scenario (a fast wrong model is not a result).
 
     python benchmarks/inference.py            # full run, writes benchmarks/results/inference.json
@@ -282,22 +283,29 @@ def time_interleaved(
     rounds: int,
     per_round: int,
     warmup: int,
-) -> dict[str, list[float]]:
-    """Per-run milliseconds; candidates alternate every round, in a rotating order."""
+) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """(per-run ms, per-round median ms); candidates alternate every round, rotating order."""
     names = list(sessions)
     for name in names:
         for _ in range(warmup):
             sessions[name].run(["logits"], feeds[name])
     times: dict[str, list[float]] = {n: [] for n in names}
+    per_round_median: dict[str, list[float]] = {n: [] for n in names}
     for r in range(rounds):
         order = names[r % len(names) :] + names[: r % len(names)]
         for name in order:
             sess, f = sessions[name], feeds[name]
+            # One untimed run first: the previous candidate's ORT threads may still be
+            # spinning (allow_spinning) and would slow this candidate's first run.
+            sess.run(None, f)
+            this_round = []
             for _ in range(per_round):
                 start = time.perf_counter_ns()
                 sess.run(None, f)
-                times[name].append((time.perf_counter_ns() - start) / 1e6)
-    return times
+                this_round.append((time.perf_counter_ns() - start) / 1e6)
+            times[name].extend(this_round)
+            per_round_median[name].append(statistics.median(this_round))
+    return times, per_round_median
 
 
 def profile_ops(path: Path, feeds: dict, runs: int) -> list[tuple[str, float, int]]:
@@ -378,8 +386,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     quick = args.quick
-    rounds = args.rounds or (3 if quick else 12)
-    per_round = args.per_round or (3 if quick else 5)
+    rounds = args.rounds or (3 if quick else 30)
+    per_round = args.per_round or (3 if quick else 4)
     scenarios = QUICK_SCENARIOS if quick else FULL_SCENARIOS
     config = model_config(quick)
     folder = _common.cache_dir(args.cache) / f"inference-{config_key(config)}"
@@ -425,6 +433,7 @@ def main(argv: list[str] | None = None) -> int:
     reference = originals.get(23) or next(iter(originals.values()))
 
     results: list[Result] = []
+    paired: dict[str, dict[str, list[float]]] = {}
     profiles: dict[str, dict[str, list]] = {}
     for scenario in scenarios:
         data = scenario_data(config, scenario)
@@ -434,7 +443,7 @@ def main(argv: list[str] | None = None) -> int:
             name: float(np.abs(sess.run(["logits"], feeds[name])[0] - ref_logits).max())
             for name, sess in sessions.items()
         }
-        times = time_interleaved(
+        times, round_medians = time_interleaved(
             sessions, feeds, rounds=rounds, per_round=per_round, warmup=2 if quick else 3
         )
         for name, values in times.items():
@@ -450,6 +459,7 @@ def main(argv: list[str] | None = None) -> int:
                     max_abs_logit_diff=diffs[name],
                 )
             )
+        paired[scenario.name] = round_medians
         print(f"  {scenario.name}: done; {_common.load_line()}")
         if scenario.name in args.profile:
             profiles[scenario.name] = {}
@@ -483,12 +493,16 @@ def main(argv: list[str] | None = None) -> int:
         ratios[label] = {}
         cells = []
         for s in scenarios:
-            value = by[(s.name, num)].median_ms / by[(s.name, den)].median_ms
+            # Paired by round (both measured within seconds of each other), then the median
+            # over rounds: robust to the load drifting during the run.
+            value = statistics.median(
+                a / b for a, b in zip(paired[s.name][num], paired[s.name][den], strict=True)
+            )
             ratios[label][s.name] = value
             cells.append(f"{value:.2f}x")
         ratio_rows.append([label, *cells])
     print()
-    print("speed-up (>1: epfuse faster)")
+    print("speed-up (>1: epfuse faster; median over rounds of the per-round ratio)")
     print(_common.table(["ratio", *[s.name for s in scenarios]], ratio_rows))
     print()
     print(f"max |logits - export opset {reference.split()[-1]} logits|:")
