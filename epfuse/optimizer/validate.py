@@ -7,9 +7,10 @@ that onnx.checker does not know. Those nodes are checked against ORT's own schem
 them moved to a private domain; the ORT load below then checks them for real.
 
 Weights that live in external data are not read: a large external initializer is the input
-model's own tensor, which no rule rewrites (rules create new in-memory constants instead), the
-loader already checked against its data file, and saving copies byte for byte. It is checked
-as a graph input of the same name, dtype and shape, so onnx.checker and ORT still resolve the
+model's own tensor, which no rule rewrites, the loader already checked against its data file,
+and saving copies byte for byte; a large lazy tensor (a packed QKV weight concatenated from
+such weights when saved) is likewise not evaluated. Each is checked as a graph input of the
+same name, dtype and shape, so onnx.checker and ORT still resolve the
 whole graph, infer every type and shape and create every kernel, without holding the weights
 (ORT would otherwise read them all into memory, and pre-pack MatMul weights on top).
 """
@@ -37,7 +38,7 @@ WEIGHT_INPUT_BYTES = 1 << 16
 
 def validate(model: ir.Model) -> str | None:
     """Raise ValidationError, or return a note when the CPU load was not applicable."""
-    proto = ir.to_proto(model)  # external tensors stay references: nothing is read here
+    proto = _structure_proto(model)
     if _has_external(proto):
         _external_weights_to_inputs(proto, model)
     if not _has_external(proto) and proto.ByteSize() < _PROTO_LIMIT:
@@ -48,6 +49,46 @@ def validate(model: ir.Model) -> str | None:
         path = Path(tmp) / "model.onnx"
         ir.save(model, path, external_data="model.onnx.data")
         return _check(str(path), str(path))
+
+
+def _unread_weight(value: ir.Value) -> bool:
+    """A large weight not in memory: external data, or a lazy tensor made from such (e.g. a
+    packed QKV weight, whose serialization would read and concatenate its parts)."""
+    tensor = value.const_value
+    return (
+        isinstance(tensor, (ir.ExternalTensor, ir.LazyTensor))
+        and tensor.nbytes >= WEIGHT_INPUT_BYTES
+    )
+
+
+def _structure_proto(model: ir.Model) -> onnx.ModelProto:
+    """``model`` as a proto whose unread weights are graph inputs (the model is restored)."""
+    graph = model.graph
+    initializers = list(graph.initializers.values())
+    held = [v for v in initializers if _unread_weight(v)]
+    if not held:
+        return ir.to_proto(model)  # external tensors stay references: nothing is read here
+    inputs = list(graph.inputs)
+    tensors = {id(v): v.const_value for v in held}
+    try:
+        for value in held:
+            if value.shape is None:
+                value.shape = value.const_value.shape
+            if value.dtype is None:
+                value.dtype = value.const_value.dtype
+            graph.initializers.pop(value.name)
+            value.const_value = None
+            if not value.is_graph_input():
+                graph.inputs.append(value)
+        return ir.to_proto(model)
+    finally:
+        for value in held:
+            value.const_value = tensors[id(value)]
+        graph.inputs.clear()
+        graph.inputs.extend(inputs)
+        graph.initializers.clear()
+        for value in initializers:
+            graph.initializers.add(value)
 
 
 def _has_external(proto: onnx.ModelProto) -> bool:
