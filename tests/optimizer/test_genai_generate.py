@@ -1,7 +1,7 @@
 """Optimized torch.onnx exports run in onnxruntime-genai and generate Hugging Face's tokens.
 
 For tiny random-weight Llama, Qwen2 and Mistral (sliding window 8, shorter than the prompts),
-exported with torch.onnx at opset 23 and optimized for the CPU EP with ``--genai``:
+exported with torch.onnx at opset 23 and 18 and optimized for the CPU EP with ``--genai``:
 greedy generation of 32 new tokens with onnxruntime-genai (KV buffer shared between past and
 present) equals ``transformers`` ``generate`` token for token, for one prompt and for a batch
 of two prompts of different lengths. The batch is right-padded, which is what genai's own
@@ -103,14 +103,15 @@ class Family:
     model: object  # og.Model, loaded once
 
 
-@pytest.fixture(scope="module", params=list(FAMILIES))
+@pytest.fixture(scope="module", params=[f"{n}@{opset}" for n in FAMILIES for opset in (23, 18)])
 def family(request, tmp_path_factory) -> Family:
     from transformers import GenerationConfig
 
-    name, seed = request.param, FAMILIES[request.param]
-    root = tmp_path_factory.mktemp(f"genai-{name}")
+    name, opset = request.param.split("@")
+    seed = FAMILIES[name]
+    root = tmp_path_factory.mktemp(f"genai-{name}-{opset}")
     config = _config(name)
-    plain = export_hf_decoder(config, root / "plain.onnx", opset=23, seed=seed)
+    plain = export_hf_decoder(config, root / "plain.onnx", opset=int(opset), seed=seed)
     hf_dir = root / "hf"
     config.save_pretrained(str(hf_dir))
     GenerationConfig(bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD).save_pretrained(
@@ -240,7 +241,7 @@ def test_right_padded_batch_matches_hf_generate(family):
         )
 
 
-@pytest.mark.parametrize("family", ["llama"], indirect=True)
+@pytest.mark.parametrize("family", ["llama@23"], indirect=True)
 def test_genai_tokenizer_pads_batches_on_the_right(family):
     """genai's own batching right-pads with pad_token_id: inside the GQA input contract."""
     assert "tokenizer.json" in family.package.copied
@@ -252,7 +253,7 @@ def test_genai_tokenizer_pads_batches_on_the_right(family):
     assert (ids[1, len(short) :] == PAD).all()
 
 
-@pytest.mark.parametrize("family", ["llama"], indirect=True)
+@pytest.mark.parametrize("family", ["llama@23"], indirect=True)
 def test_unfused_model_runs_without_a_shared_buffer(family, tmp_path):
     """Standard Attention reads the past itself: no sharing, and genai still matches HF."""
     optimized, report = epfuse.optimize_with_report(family.plain, "default")
@@ -267,7 +268,7 @@ def test_unfused_model_runs_without_a_shared_buffer(family, tmp_path):
     _assert_same_generation(got, got_logits[0], want, want_logits, "unfused prompt")
 
 
-@pytest.mark.parametrize("family", ["llama"], indirect=True)
+@pytest.mark.parametrize("family", ["llama@23"], indirect=True)
 def test_fused_model_also_runs_with_a_copied_cache(family, tmp_path):
     """past_present_share_buffer=false on the fused model: genai grows the cache by copying
     and GQA still reads only the first seqlens_k rows, so the batch still matches HF."""
