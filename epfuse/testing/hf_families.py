@@ -36,11 +36,30 @@ class Family:
     description: str = ""
 
 
+def rope_kwargs(theta: float = 1e4, **rope: Any) -> dict[str, Any]:
+    """Config keyword arguments for RoPE in the installed transformers' spelling.
+
+    transformers 5.x takes one ``rope_parameters`` dict; 4.x (which Optimum pins) takes
+    ``rope_theta``, ``rope_scaling`` (None for the default rope) and ``partial_rotary_factor``
+    as separate attributes. The model computed is the same.
+    """
+    import transformers
+
+    if int(transformers.__version__.split(".")[0]) >= 5:
+        return {"rope_parameters": {"rope_type": "default", "rope_theta": theta, **rope}}
+    rope = dict(rope)
+    kwargs: dict[str, Any] = {"rope_theta": theta}
+    if "partial_rotary_factor" in rope:
+        kwargs["partial_rotary_factor"] = rope.pop("partial_rotary_factor")
+    if rope.get("rope_type", "default") != "default":
+        kwargs["rope_scaling"] = rope
+    return kwargs
+
+
 def _llama(**rope: Any):
     from transformers import LlamaConfig
 
-    params = {"rope_theta": 10000.0, **rope}
-    return LlamaConfig(**_COMMON, head_dim=16, rope_parameters=params)
+    return LlamaConfig(**_COMMON, head_dim=16, **rope_kwargs(10000.0, **rope))
 
 
 def _llama3():
@@ -64,7 +83,7 @@ def _llama_yarn():
 def _qwen2():
     from transformers import Qwen2Config
 
-    return Qwen2Config(**_COMMON, rope_parameters={"rope_type": "default", "rope_theta": 1e4})
+    return Qwen2Config(**_COMMON, **rope_kwargs())
 
 
 def _mistral():
@@ -101,17 +120,19 @@ def _phi3():
 def _stablelm():
     from transformers import StableLmConfig
 
-    params = {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}
     # StableLM derives head_dim from hidden_size: 128 / 4 heads = 32, so that the rotated half
     # (16 channels, cos width 8) is one the CPU's fused rotary accepts.
-    return StableLmConfig(**{**_COMMON, "hidden_size": 128}, rope_parameters=params)
+    return StableLmConfig(
+        **{**_COMMON, "hidden_size": 128}, **rope_kwargs(partial_rotary_factor=0.5)
+    )
 
 
 def _glm():
     from transformers import GlmConfig
 
-    params = {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}
-    return GlmConfig(**_COMMON, head_dim=32, rope_parameters=params, pad_token_id=0)
+    return GlmConfig(
+        **_COMMON, head_dim=32, **rope_kwargs(partial_rotary_factor=0.5), pad_token_id=0
+    )
 
 
 def _gemma3():
@@ -132,6 +153,38 @@ def _olmo2():
     return Olmo2Config(**_COMMON)
 
 
+def _phi2():
+    from transformers import PhiConfig
+
+    # head_dim 128 / 4 = 32, rotary half of it (cos width 8), as StableLM.
+    return PhiConfig(**{**_COMMON, "hidden_size": 128}, **rope_kwargs(partial_rotary_factor=0.5))
+
+
+def _granite():
+    from transformers import GraniteConfig
+
+    return GraniteConfig(
+        **_COMMON,
+        embedding_multiplier=2.0,
+        attention_multiplier=0.2,
+        residual_multiplier=0.5,
+        logits_scaling=4.0,
+    )
+
+
+def _smollm3():
+    from transformers import SmolLM3Config
+
+    # Layer 1 of every 2 has no RoPE (NoPE), as SmolLM3's every-4th layer.
+    return SmolLM3Config(**_COMMON, no_rope_layer_interval=2, pad_token_id=0)
+
+
+def _cohere():
+    from transformers import CohereConfig
+
+    return CohereConfig(**_COMMON, logit_scale=0.5, pad_token_id=0)
+
+
 FAMILIES: dict[str, Family] = {
     f.name: f
     for f in (
@@ -149,3 +202,16 @@ FAMILIES: dict[str, Family] = {
         Family("olmo2", _olmo2, description="q/k RMSNorm over all heads before reshape"),
     )
 }
+
+MORE_FAMILIES: dict[str, Family] = {
+    f.name: f
+    for f in (
+        Family("phi2", _phi2, description="partial rotary, LayerNorm, parallel attention + MLP"),
+        Family("granite", _granite, description="embedding/attention/residual multipliers"),
+        Family("smollm3", _smollm3, description="NoPE layers between RoPE layers"),
+        Family("cohere", _cohere, description="interleaved rotary, mean-centred LayerNorm"),
+    )
+}
+"""Families added for the exporters issue (Optimum's list); not yet in the dynamo family tests."""
+
+ALL_FAMILIES: dict[str, Family] = {**FAMILIES, **MORE_FAMILIES}
