@@ -60,6 +60,33 @@ def pytest_configure(config: pytest.Config) -> None:
     settings.load_profile(selected_profile(cli))
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked ``optimum`` need optimum-onnx, whose transformers 4.57 pin conflicts with
+    the ``export`` extra; where it is not installed they are deselected (``.ci/run`` runs them
+    in a second venv with ``-m optimum``), and the terminal summary says how many."""
+    from epfuse.testing.optimum_export import optimum_available
+
+    if optimum_available():
+        return
+    deselected = [item for item in items if item.get_closest_marker("optimum")]
+    if deselected:
+        items[:] = [item for item in items if not item.get_closest_marker("optimum")]
+        config.hook.pytest_deselected(items=deselected)
+        config.stash[_OPTIMUM_DESELECTED] = len(deselected)
+
+
+_OPTIMUM_DESELECTED = pytest.StashKey[int]()
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    count = config.stash.get(_OPTIMUM_DESELECTED, 0)
+    if count:
+        terminalreporter.write_line(
+            f"{count} optimum-marked tests deselected: optimum-onnx is not installed here "
+            "(.ci/run runs them in the optimum venv)"
+        )
+
+
 @pytest.fixture(scope="session")
 def example_model() -> Path:
     from epfuse.examples import EXAMPLE_MODEL
