@@ -13,8 +13,9 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from .._evaluate import SubgraphEvaluator
+from .._evaluate import SubgraphEvaluator, _Unprovable, value_dependencies
 from .._graph import Builder, attr, const_array, const_scalar, input_at, producer
+from .._signature import probe_array
 from ..base import Kept, RewriteContext, Rewritten, Rule, Stage
 
 
@@ -151,47 +152,84 @@ class RopeCosSinToCaches(Rule):
 
 
 def _caches(ctx, inv_freq, scale, dtype, node, cos, sin, positions):
+    """The (cos_cache, sin_cache) constants, or why the run-time cos/sin are not them.
+
+    The proof is made per cos/sin pair (layers may compute their own), the constants are
+    shared by every pair they are proven for.
+    """
     max_len = ctx.options.max_seq_len
     key = ("rope-cache", inv_freq.tobytes(), scale, dtype, max_len)
-    if key in ctx.cache:
-        return ctx.cache[key]
-    angles = np.arange(max_len, dtype=np.float64)[:, None] * inv_freq.astype(np.float64)[None, :]
-    np_dtype = dtype.numpy()
-    cos_np = (np.cos(angles) * scale).astype(np_dtype)
-    sin_np = (np.sin(angles) * scale).astype(np_dtype)
-    reason = _prove(ctx.graph, cos, sin, positions, cos_np, sin_np, max_len)
+    if key not in ctx.cache:
+        angles = np.arange(max_len, dtype=np.float64)[:, None] * inv_freq.astype(np.float64)
+        np_dtype = dtype.numpy()
+        ctx.cache[key] = (
+            (np.cos(angles) * scale).astype(np_dtype),
+            (np.sin(angles) * scale).astype(np_dtype),
+            None,
+        )
+    cos_np, sin_np, built = ctx.cache[key]
+    proof_key = ("rope-cache-proof", id(cos), id(sin), id(positions), key)
+    if proof_key not in ctx.cache:
+        ctx.cache[proof_key] = _prove(ctx.graph, cos, sin, positions, cos_np, sin_np, max_len)
+    reason = ctx.cache[proof_key]
     if reason:
-        ctx.cache[key] = reason
         return reason
-    builder = Builder(ctx.graph, node, "epfuse/rope")
-    result = (builder.const("cos_cache", cos_np), builder.const("sin_cache", sin_np))
-    ctx.cache[key] = result
-    return result
+    if built is None:
+        builder = Builder(ctx.graph, node, "epfuse/rope")
+        built = (builder.const("cos_cache", cos_np), builder.const("sin_cache", sin_np))
+        ctx.cache[key] = (cos_np, sin_np, built)
+    return built
 
 
 def _prove(graph, cos, sin, positions, cos_np, sin_np, max_len) -> str | None:
-    """Evaluate the original cos/sin on sampled positions; they must match the caches."""
+    """Evaluate the original cos/sin on sampled positions; they must match the caches.
+
+    Besides the positions (read by value), the subgraph may read other graph inputs through
+    their shape only: transformers 4.x expands ``inv_freq`` to the batch size taken from
+    whichever input torch picked (a past key, say). Those inputs are fed at several batch
+    and past sizes, and the result must be the cache rows of the positions every time.
+    """
     try:
-        evaluator = SubgraphEvaluator(graph, [cos, sin], inputs=[positions])
+        by_value, by_shape = value_dependencies(cos)
+        sin_value, sin_shape = value_dependencies(sin)
+    except _Unprovable as err:
+        return f"the cos/sin subgraph could not be evaluated ({err})"
+    if (by_value | sin_value) != {positions}:
+        return "cos/sin depend on more than the positions"
+    shaped = sorted(by_shape | sin_shape, key=lambda v: v.name or "")
+    try:
+        evaluator = SubgraphEvaluator(graph, [cos, sin], inputs=[positions, *shaped])
     except Exception as err:
         return f"the cos/sin subgraph could not be evaluated ({type(err).__name__})"
-    if evaluator.input_names != [positions.name]:
-        return "cos/sin depend on more than the positions"
     sample = np.unique(np.linspace(0, max_len - 1, num=min(max_len, 97)).astype(np.int64))
-    feeds = {positions.name: sample[None, :].astype(positions.dtype.numpy())}
-    try:
-        got_cos, got_sin = evaluator(feeds)
-    except Exception as err:  # e.g. a graph whose position_ids have a static shape
-        return f"the cos/sin subgraph could not be run on sampled positions ({type(err).__name__})"
+    pos_dtype = positions.dtype.numpy()
     tol = 1e-6 + 2e-7 * max_len  # float32 angle rounding grows with the position
     if cos_np.dtype != np.float32:
         tol = max(tol, 2e-3)
-    for got, ref in ((got_cos, cos_np), (got_sin, sin_np)):
-        ref64 = ref[sample].astype(np.float64)
-        got64 = np.asarray(got, dtype=np.float64)
-        if got64.size != ref64.size:
-            return "the run-time cos/sin do not have the width of the caches"
-        got64 = got64.reshape(ref64.shape)
-        if not np.allclose(got64, ref64, atol=tol, rtol=0):
-            return "the run-time cos/sin do not match caches built from inv_freq"
+    for batch, past in _PROBES:
+        ids = np.stack([sample, sample[::-1]][:batch]).astype(pos_dtype)
+        feeds = {positions.name: ids}
+        for value in shaped:
+            array = probe_array(value, positions, batch, len(sample), past)
+            if array is None:
+                return f"cos/sin read the shape of {value.name!r}, which cannot be sized"
+            feeds[value.name] = array
+        try:
+            got_cos, got_sin = evaluator(feeds)
+        except Exception as err:  # e.g. a graph whose position_ids have a static shape
+            return (
+                f"the cos/sin subgraph could not be run on sampled positions ({type(err).__name__})"
+            )
+        for got, ref in ((got_cos, cos_np), (got_sin, sin_np)):
+            ref64 = ref[ids].astype(np.float64)
+            got64 = np.asarray(got, dtype=np.float64)
+            if got64.size != ref64.size:
+                return "the run-time cos/sin do not have the width of the caches"
+            got64 = got64.reshape(ref64.shape)
+            if not np.allclose(got64, ref64, atol=tol, rtol=0):
+                return "the run-time cos/sin do not match caches built from inv_freq"
     return None
+
+
+# (batch, past) sizes the shape-only inputs are fed at: two batches, with and without a past.
+_PROBES = ((1, 0), (2, 3))
