@@ -45,10 +45,12 @@ from .._graph import (
     producer,
     remove_dead,
     replace_value,
+    same_dim,
     shape_vector,
 )
 from .._opset import require_default_opset
 from ..base import Kept, RewriteContext, Rewritten, Rule, Stage
+from .rope_caches import RopeCosSinToCaches
 
 _INT64_MAX = 2**63 - 1
 
@@ -57,7 +59,7 @@ def _last_axis_slice(node: ir.Node | None, x: ir.Value, rank: int) -> tuple[int,
     """(start, end) of ``Slice(x, start, end, axes=[-1])`` with unit step."""
     if node is None or node.op_type != "Slice" or node.inputs[0] is not x:
         return None
-    starts, ends = const_ints(input_at(node, 1)), const_ints(input_at(node, 2))
+    starts, ends = static_ints(input_at(node, 1)), static_ints(input_at(node, 2))
     axes, steps = input_at(node, 3), input_at(node, 4)
     if starts is None or ends is None or len(starts) != 1 or len(ends) != 1:
         return None
@@ -66,6 +68,35 @@ def _last_axis_slice(node: ir.Node | None, x: ir.Value, rank: int) -> tuple[int,
     if steps is not None and const_ints(steps) != [1]:
         return None
     return starts[0], ends[0]
+
+
+def static_ints(value: ir.Value | None, _depth: int = 0) -> list[int] | None:
+    """A constant int vector, or one computed from static dims: the TorchScript exporter
+    writes ``x[..., : x.shape[-1] // 2]`` as ``Unsqueeze(Cast(Div(Gather(Shape(x), 3), 2)))``.
+    Only integer Div of non-negative static values is folded here (shape_vector does the
+    rest), so the result is exactly what the graph computes."""
+    ints = const_ints(value)
+    if ints is not None or value is None or _depth > 8:
+        return ints
+    node = value.producer()
+    if node is None or node.domain != "":
+        return None
+    if node.op_type in ("Unsqueeze", "Squeeze", "Cast", "Identity"):
+        if node.op_type == "Cast" and ir.DataType(attr(node, "to")) not in _INT_TYPES:
+            return None
+        return static_ints(node.inputs[0], _depth + 1)
+    if node.op_type == "Div" and value.dtype in _INT_TYPES:
+        a, b = static_ints(node.inputs[0], _depth + 1), static_ints(node.inputs[1], _depth + 1)
+        if a is None or b is None or len(a) != 1 or len(b) != 1 or a[0] < 0 or b[0] <= 0:
+            return None
+        return [a[0] // b[0]]
+    folded = shape_vector(value)
+    if folded is None or not all(isinstance(d, int) for d in folded):
+        return None
+    return list(folded)
+
+
+_INT_TYPES = (ir.DataType.INT64, ir.DataType.INT32)
 
 
 def _static_last(value: ir.Value) -> int | None:
@@ -331,6 +362,18 @@ def _swap(template: ir.Node, value: ir.Value) -> list[ir.Value]:
     return [value if const_scalar(i) is None else i for i in template.inputs]
 
 
+def _to_position_caches(ctx: RewriteContext, rope: ir.Node, x: ir.Value) -> str | None:
+    """Turn ``rope``'s run-time cos/sin into caches read at position_ids (proven by
+    evaluation, see ``rope_caches``), with the positions (batch, seq) like ``x``; or why not."""
+    outcome = RopeCosSinToCaches().apply(rope, ctx)
+    if not isinstance(outcome, Rewritten):
+        return outcome.reason if isinstance(outcome, Kept) else "not position_ids x inv_freq"
+    positions = input_at(rope, 3)
+    if same_dim(dim(positions, 0), dim(x, 0)) and same_dim(dim(positions, 1), dim(x, 2)):
+        return None
+    return "the positions are not (batch, seq) of the rotated input"
+
+
 class RotateHalfToRotaryEmbedding(Rule):
     name = "rotate-half-to-rotary-embedding"
     stage = Stage.CANONICALIZE
@@ -362,14 +405,18 @@ class RotateHalfToRotaryEmbedding(Rule):
         sin_plan = _half_plan(sin_full, "Sin", interleaved)
         if cos_plan is None or sin_plan is None:
             return Kept("cos/sin are not proven to be two equal halves [c, c]")
+        per_token = True
         for _, half, steps in (cos_plan, sin_plan):
             casts = [n for n in steps if n.op_type == "Cast"]
             dtype = ir.DataType(attr(casts[-1], "to")) if casts else half.dtype
             if dtype != x.dtype:
                 return Kept("cos/sin do not have the dtype of the rotated input")
             # RotaryEmbedding reads cos/sin per (batch, token): they must not broadcast.
+            # When the shapes do not say so (the TorchScript exporter loses the batch dim of
+            # the expanded inv_freq), the cos/sin must be proven to be cache rows of the
+            # position_ids instead (below), which are then read per token.
             if dim(half, 0) != dim(x, 0) or dim(half, 1) != dim(x, 2):
-                return Kept("cos/sin are not (batch, seq) like the rotated input")
+                per_token = False
         reason = require_default_opset(ctx.model, 23, ctx.cache)
         if reason:
             return Kept(reason)
@@ -390,6 +437,11 @@ class RotateHalfToRotaryEmbedding(Rule):
             name=f"{node.name or 'rope'}/RotaryEmbedding",
         )
         ctx.graph.insert_before(node, rope)
+        if not per_token:
+            reason = _to_position_caches(ctx, rope, x)
+            if reason:
+                ctx.graph.remove(rope, safe=True)
+                return Kept(f"cos/sin are not (batch, seq) like the rotated input ({reason})")
         out = rope.outputs[0]
         out.shape, out.type = target.shape, target.type
         if target.name and not target.is_graph_output():
