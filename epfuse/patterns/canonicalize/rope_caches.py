@@ -45,7 +45,8 @@ def _trace_trig(value: ir.Value, trig: str):
     return trig_node.inputs[0], scale
 
 
-_PASS_THROUGH = ("Cast", "Unsqueeze", "Reshape", "Expand", "Identity", "Squeeze")
+# Tile: Optimum patches Cohere to ``inv_freq[None, :, None].repeat(batch, 1, 1)``.
+_PASS_THROUGH = ("Cast", "Unsqueeze", "Reshape", "Expand", "Tile", "Identity", "Squeeze")
 
 
 def _through(value: ir.Value | None, steps: int = 6) -> ir.Value | None:
@@ -83,15 +84,7 @@ def _trace_freqs(freqs: ir.Value):
         matmul = producer(transpose.inputs[0], "MatMul")
         if matmul is None or list(attr(transpose, "perm", [])) != [0, 2, 1]:
             return None
-        inv = _through(matmul.inputs[0])
-        inv_freq = const_array(inv)
-        positions = _positions(_through(matmul.inputs[1]))
-        if inv_freq is None or positions is None or inv_freq.dtype.kind != "f":
-            return None
-        if sum(d != 1 for d in inv_freq.shape) > 1:
-            return None  # not one frequency vector
-        inv_freq = inv_freq.reshape(-1)
-        return positions, inv_freq
+        return _matmul_freqs(matmul)
     mul = producer(freqs, "Mul")
     if mul is None:
         return None
@@ -109,6 +102,18 @@ def _trace_freqs(freqs: ir.Value):
             continue
         return positions, inv_freq
     return None
+
+
+def _matmul_freqs(matmul: ir.Node):
+    """(positions, inv_freq) of ``MatMul(inv_freq[None, :, None] (expanded), positions[:, None,
+    :])``, the angles before Hugging Face's transpose."""
+    inv_freq = const_array(_through(matmul.inputs[0]))
+    positions = _positions(_through(matmul.inputs[1]))
+    if inv_freq is None or positions is None or inv_freq.dtype.kind != "f":
+        return None
+    if sum(d != 1 for d in inv_freq.shape) > 1:
+        return None  # not one frequency vector
+    return positions, inv_freq.reshape(-1)
 
 
 class RopeCosSinToCaches(Rule):
@@ -151,6 +156,89 @@ class RopeCosSinToCaches(Rule):
         return Rewritten(f"cos/sin caches of {cos_cache.shape[0]} positions")
 
 
+def find_freqs(value: ir.Value, limit: int = 48):
+    """(positions, inv_freq) of the nearest angles ``_trace_freqs`` recognizes upstream of
+    ``value`` (breadth first, at most ``limit`` nodes), or None. What lies between them and
+    ``value`` is left to the evaluation in :func:`full_width_caches`."""
+    queue, seen = [value], set()
+    while queue and len(seen) < limit:
+        current = queue.pop(0)
+        if current is None or id(current) in seen or current.const_value is not None:
+            continue
+        seen.add(id(current))
+        node = current.producer()
+        traced = _trace_freqs(current)
+        if traced is None and node is not None and node.op_type == "MatMul":
+            traced = _matmul_freqs(node)
+        if traced is not None:
+            return traced
+        if node is not None:
+            queue.extend(node.inputs)
+    return None
+
+
+def full_width_caches(ctx, node, inv_freq, dtype, cos, sin, positions, interleaved: bool):
+    """(cos_cache, sin_cache) of width ``len(inv_freq)`` when the full-width run-time
+    ``cos``/``sin`` evaluate to ``[c, c]`` (``interleaved``: ``repeat_interleave(c, 2)``) of
+    the cache rows of the positions, times one scale (Hugging Face's ``attention_scaling``,
+    read off at position 0, where cos is the scale itself); or why not."""
+    max_len = ctx.options.max_seq_len
+    scale = _measured_scale(ctx.graph, cos, positions)
+    if isinstance(scale, str):
+        return scale
+    key = ("rope-cache", inv_freq.tobytes(), scale, dtype, max_len)
+    if key not in ctx.cache:
+        ctx.cache[key] = (*_cache_arrays(inv_freq, scale, dtype, max_len), None)
+    cos_np, sin_np, built = ctx.cache[key]
+    proof_key = ("rope-cache-full-proof", id(cos), id(sin), id(positions), interleaved, key)
+    if proof_key not in ctx.cache:
+        if interleaved:
+            widen = lambda rows: np.repeat(rows, 2, axis=-1)  # noqa: E731
+        else:
+            widen = lambda rows: np.concatenate([rows, rows], axis=-1)  # noqa: E731
+        ctx.cache[proof_key] = _prove(
+            ctx.graph, cos, sin, positions, cos_np, sin_np, max_len, widen
+        )
+    reason = ctx.cache[proof_key]
+    if reason:
+        return reason
+    if built is None:
+        builder = Builder(ctx.graph, node, "epfuse/rope")
+        built = (builder.const("cos_cache", cos_np), builder.const("sin_cache", sin_np))
+        ctx.cache[key] = (cos_np, sin_np, built)
+    return built
+
+
+def _measured_scale(graph, cos, positions) -> float | str:
+    try:
+        by_value, by_shape = value_dependencies(cos)
+    except _Unprovable as err:
+        return f"the cos subgraph could not be evaluated ({err})"
+    if by_value != {positions}:
+        return "cos/sin depend on more than the positions"
+    shaped = sorted(by_shape, key=lambda v: v.name or "")
+    feeds = {positions.name: np.zeros((1, 1), dtype=positions.dtype.numpy())}
+    for value in shaped:
+        array = probe_array(value, positions, 1, 1, 0)
+        if array is None:
+            return f"cos/sin read the shape of {value.name!r}, which cannot be sized"
+        feeds[value.name] = array
+    try:
+        (got,) = SubgraphEvaluator(graph, [cos], inputs=[positions, *shaped])(feeds)
+    except Exception as err:
+        return f"the cos subgraph could not be evaluated ({type(err).__name__})"
+    got = np.asarray(got, dtype=np.float64).reshape(-1)
+    if got.size == 0 or not np.all(got == got[0]) or not np.isfinite(got[0]) or got[0] == 0:
+        return "cos at position 0 is not one constant scale"
+    return float(got[0])
+
+
+def _cache_arrays(inv_freq, scale, dtype, max_len):
+    angles = np.arange(max_len, dtype=np.float64)[:, None] * inv_freq.astype(np.float64)
+    np_dtype = dtype.numpy()
+    return (np.cos(angles) * scale).astype(np_dtype), (np.sin(angles) * scale).astype(np_dtype)
+
+
 def _caches(ctx, inv_freq, scale, dtype, node, cos, sin, positions):
     """The (cos_cache, sin_cache) constants, or why the run-time cos/sin are not them.
 
@@ -160,13 +248,7 @@ def _caches(ctx, inv_freq, scale, dtype, node, cos, sin, positions):
     max_len = ctx.options.max_seq_len
     key = ("rope-cache", inv_freq.tobytes(), scale, dtype, max_len)
     if key not in ctx.cache:
-        angles = np.arange(max_len, dtype=np.float64)[:, None] * inv_freq.astype(np.float64)
-        np_dtype = dtype.numpy()
-        ctx.cache[key] = (
-            (np.cos(angles) * scale).astype(np_dtype),
-            (np.sin(angles) * scale).astype(np_dtype),
-            None,
-        )
+        ctx.cache[key] = (*_cache_arrays(inv_freq, scale, dtype, max_len), None)
     cos_np, sin_np, built = ctx.cache[key]
     proof_key = ("rope-cache-proof", id(cos), id(sin), id(positions), key)
     if proof_key not in ctx.cache:
@@ -181,10 +263,11 @@ def _caches(ctx, inv_freq, scale, dtype, node, cos, sin, positions):
     return built
 
 
-def _prove(graph, cos, sin, positions, cos_np, sin_np, max_len) -> str | None:
+def _prove(graph, cos, sin, positions, cos_np, sin_np, max_len, widen=None) -> str | None:
     """Evaluate the original cos/sin on sampled positions; they must match the caches.
 
-    Besides the positions (read by value), the subgraph may read other graph inputs through
+    ``widen`` maps cache rows to what the graph computes (full-width [c, c]), when not the
+    identity. Besides the positions (read by value), the subgraph may read other graph inputs through
     their shape only: transformers 4.x expands ``inv_freq`` to the batch size taken from
     whichever input torch picked (a past key, say). Those inputs are fed at several batch
     and past sizes, and the result must be the cache rows of the positions every time.
@@ -222,10 +305,11 @@ def _prove(graph, cos, sin, positions, cos_np, sin_np, max_len) -> str | None:
             )
         for got, ref in ((got_cos, cos_np), (got_sin, sin_np)):
             ref64 = ref[ids].astype(np.float64)
+            if widen is not None:
+                ref64 = widen(ref64)
             got64 = np.asarray(got, dtype=np.float64)
-            if got64.size != ref64.size:
-                return "the run-time cos/sin do not have the width of the caches"
-            got64 = got64.reshape(ref64.shape)
+            if got64.shape != ref64.shape:
+                return "the run-time cos/sin are not (batch, seq, width) of the caches"
             if not np.allclose(got64, ref64, atol=tol, rtol=0):
                 return "the run-time cos/sin do not match caches built from inv_freq"
     return None

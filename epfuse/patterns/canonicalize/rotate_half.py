@@ -50,7 +50,7 @@ from .._graph import (
 )
 from .._opset import require_default_opset
 from ..base import Kept, RewriteContext, Rewritten, Rule, Stage
-from .rope_caches import RopeCosSinToCaches
+from .rope_caches import RopeCosSinToCaches, find_freqs, full_width_caches
 
 _INT64_MAX = 2**63 - 1
 
@@ -374,6 +374,33 @@ def _to_position_caches(ctx: RewriteContext, rope: ir.Node, x: ir.Value) -> str 
     return "the positions are not (batch, seq) of the rotated input"
 
 
+def _proven_full_rope(ctx, node, x, cos_full, sin_full, interleaved, why: str) -> ir.Node | str:
+    """RotaryEmbedding(x, cos_cache, sin_cache, positions) when the full-width run-time
+    cos/sin are *evaluated* to be ``[c, c]`` (or ``repeat_interleave(c, 2)``) of cache rows
+    ``c = cos/sin(positions * inv_freq) * scale``; or why not (``why`` names the structural
+    failure). The positions and inv_freq are found upstream of cos (``rope_caches``' forms);
+    how cos/sin are widened in between (Concat, Tile, GatherND of a traced repeat) does not
+    matter, the evaluation decides."""
+    traced = find_freqs(cos_full)
+    if traced is None:
+        return f"{why}; no position_ids x inv_freq found upstream"
+    positions, inv_freq = traced
+    if not (same_dim(dim(positions, 0), dim(x, 0)) and same_dim(dim(positions, 1), dim(x, 2))):
+        return f"{why}; the positions are not (batch, seq) of the rotated input"
+    caches = full_width_caches(
+        ctx, node, inv_freq, x.dtype, cos_full, sin_full, positions, interleaved
+    )
+    if isinstance(caches, str):
+        return f"{why}; {caches}"
+    rope = ir.node(
+        "RotaryEmbedding",
+        [x, *caches, positions],
+        {"interleaved": int(interleaved)},
+        name=f"{node.name or 'rope'}/RotaryEmbedding",
+    )
+    return rope
+
+
 class RotateHalfToRotaryEmbedding(Rule):
     name = "rotate-half-to-rotary-embedding"
     stage = Stage.CANONICALIZE
@@ -401,27 +428,11 @@ class RotateHalfToRotaryEmbedding(Rule):
             if d is not None and d != width:
                 return Kept("cos/sin width differs from the rotated width")
         partial = self._partial(node, x)
-        cos_plan = _half_plan(cos_full, "Cos", interleaved)
-        sin_plan = _half_plan(sin_full, "Sin", interleaved)
-        if cos_plan is None or sin_plan is None:
-            return Kept("cos/sin are not proven to be two equal halves [c, c]")
-        per_token = True
-        for _, half, steps in (cos_plan, sin_plan):
-            casts = [n for n in steps if n.op_type == "Cast"]
-            dtype = ir.DataType(attr(casts[-1], "to")) if casts else half.dtype
-            if dtype != x.dtype:
-                return Kept("cos/sin do not have the dtype of the rotated input")
-            # RotaryEmbedding reads cos/sin per (batch, token): they must not broadcast.
-            # When the shapes do not say so (the TorchScript exporter loses the batch dim of
-            # the expanded inv_freq), the cos/sin must be proven to be cache rows of the
-            # position_ids instead (below), which are then read per token.
-            if dim(half, 0) != dim(x, 0) or dim(half, 1) != dim(x, 2):
-                per_token = False
-        reason = require_default_opset(ctx.model, 23, ctx.cache)
-        if reason:
-            return Kept(reason)
-        cos_half = _half(ctx, cos_full, cos_plan, node)
-        sin_half = _half(ctx, sin_full, sin_plan, node)
+        if any(c.dtype not in (None, x.dtype) for c in (cos_full, sin_full)):
+            return Kept("cos/sin do not have the dtype of the rotated input")
+        known = ctx.cache.get(("default-opset", 23), None)
+        if known:  # the opset cannot be raised: no need to prove anything
+            return Kept(known)
         attributes = {"interleaved": int(interleaved)}
         target = node.outputs[0]
         source = x
@@ -430,18 +441,20 @@ class RotateHalfToRotaryEmbedding(Rule):
             attributes["rotary_embedding_dim"] = width
             chain = [concat, *chain, x.producer(), tail]
             target = concat.outputs[0]
-        rope = ir.node(
-            "RotaryEmbedding",
-            [source, cos_half, sin_half],
-            attributes,
-            name=f"{node.name or 'rope'}/RotaryEmbedding",
-        )
+        rope = self._structural(ctx, node, x, cos_full, sin_full, interleaved)
+        if isinstance(rope, str):
+            # Not provably [c, c] by structure (or its batch is not the input's): evaluate
+            # the full-width cos/sin instead, against caches read at the position_ids.
+            rope = _proven_full_rope(ctx, node, x, cos_full, sin_full, interleaved, rope)
+            if isinstance(rope, str):
+                return Kept(rope)
+        reason = require_default_opset(ctx.model, 23, ctx.cache)
+        if reason:
+            return Kept(reason)
         ctx.graph.insert_before(node, rope)
-        if not per_token:
-            reason = _to_position_caches(ctx, rope, x)
-            if reason:
-                ctx.graph.remove(rope, safe=True)
-                return Kept(f"cos/sin are not (batch, seq) like the rotated input ({reason})")
+        rope.replace_input_with(0, source)
+        for key, value in attributes.items():
+            rope.attributes[key] = ir.AttrInt64(key, value)
         out = rope.outputs[0]
         out.shape, out.type = target.shape, target.type
         if target.name and not target.is_graph_output():
@@ -451,6 +464,39 @@ class RotateHalfToRotaryEmbedding(Rule):
         kind = f"partial {width}" if partial is not None else "full"
         kind += ", interleaved" if interleaved else ""
         return Rewritten(f"rotate-half RoPE ({kind}) -> RotaryEmbedding")
+
+    @staticmethod
+    def _structural(ctx, node, x, cos_full, sin_full, interleaved) -> ir.Node | str:
+        """RotaryEmbedding(x, cos_half, sin_half) (not yet in the graph) when cos/sin are provably [c, c] (or
+        repeat_interleave(c, 2)) by structure, or why not. The halves' batch must be the
+        input's; when the shapes do not say so (the TorchScript exporter loses the batch dim
+        of the expanded inv_freq), they must be proven cache rows of the position_ids."""
+        cos_plan = _half_plan(cos_full, "Cos", interleaved)
+        sin_plan = _half_plan(sin_full, "Sin", interleaved)
+        if cos_plan is None or sin_plan is None:
+            return "cos/sin are not proven to be two equal halves [c, c]"
+        per_token = True
+        for _, half, steps in (cos_plan, sin_plan):
+            casts = [n for n in steps if n.op_type == "Cast"]
+            dtype = ir.DataType(attr(casts[-1], "to")) if casts else half.dtype
+            if dtype != x.dtype:
+                return "cos/sin do not have the dtype of the rotated input"
+            # RotaryEmbedding reads cos/sin per (batch, token): they must not broadcast.
+            if dim(half, 0) != dim(x, 0) or dim(half, 1) != dim(x, 2):
+                per_token = False
+        cos_half = _half(ctx, cos_full, cos_plan, node)
+        sin_half = _half(ctx, sin_full, sin_plan, node)
+        rope = ir.node(
+            "RotaryEmbedding",
+            [x, cos_half, sin_half],
+            {"interleaved": int(interleaved)},
+            name=f"{node.name or 'rope'}/RotaryEmbedding",
+        )
+        if not per_token:  # (rope is not in the graph yet: nothing to undo)
+            reason = _to_position_caches(ctx, rope, x)
+            if reason:
+                return f"cos/sin are not (batch, seq) like the rotated input ({reason})"
+        return rope
 
     @staticmethod
     def _match(node: ir.Node):
