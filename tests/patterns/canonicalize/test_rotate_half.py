@@ -8,6 +8,7 @@ import dataclasses
 import numpy as np
 import onnx
 import onnx_ir as ir
+import onnx_ir.passes.common
 import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
@@ -37,6 +38,14 @@ class Variant:
     freqs_form: str = "mul"  # "mul" (torch folds the K=1 matmul) | "matmul" (HF's expanded)
     interleaved: bool = False  # GPT-J/Cohere rotate_every_two on repeat_interleave'd cos/sin
     interleaved_cos: bool | None = None  # cos/sin built interleaved (default: as the rotation)
+    # TorchScript (Optimum) idioms: "shape": split point x.shape[-1] // 2 computed in the graph
+    split_form: str = "const"
+    # "opaque": inv_freq expanded to a batch shape inference cannot name (Where over -1), so
+    # the cos/sin batch is not provably x's: proven cache rows of the positions instead
+    batch_form: str = "positions"
+    # interleaved cos/sin: "expand" (dynamo) | "concat" (pairs stacked by Concat: only the
+    # evaluation proves it) | "wrong" (the pair's second entry is 2f: must be kept)
+    pair_form: str = "expand"
 
 
 def _graph(v: Variant) -> onnx.ModelProto:
@@ -54,14 +63,23 @@ def _graph(v: Variant) -> onnx.ModelProto:
     const("a1", [1])
     half = v.rotary // 2
     inv_freq = 1.0 / (10000.0 ** (np.arange(0, v.rotary, 2) / v.rotary))
-    if v.freqs_form == "matmul":
+    if v.freqs_form in ("matmul", "matmul-tile"):
         # inv_freq[None, :, None].expand(B, -1, 1) @ position_ids[:, None, :].float(), then .T
         inv3 = op(
             "Unsqueeze", [const("inv_freq", inv_freq, np.float32), const("a02", [0, 2])], "i3"
         )
         batch = op("Shape", ["position_ids"], "batch", start=0, end=1)
         target = op("Concat", [batch, const("tail", [half, 1])], "target", axis=0)
-        expanded = op("Expand", [inv3, target], "inv_expanded")
+        if v.batch_form == "opaque":  # TorchScript's expand(-1) handling
+            one = helper.make_tensor("one", TensorProto.INT64, [1], [1])
+            ones = op("ConstantOfShape", [const("three", [3])], "ones", value=one)
+            minus = op("Mul", [ones, const("m1f", [-1])], "minus")
+            target = op("Where", [op("Equal", [target, minus], "is_m1"), "ones", target], "tw")
+        if v.freqs_form == "matmul-tile":  # Optimum's Cohere patch: .repeat(batch, 1, 1)
+            reps = op("Concat", [batch, const("ones2", [1, 1])], "reps", axis=0)
+            expanded = op("Tile", [inv3, reps], "inv_expanded")
+        else:
+            expanded = op("Expand", [inv3, target], "inv_expanded")
         pos = op("Cast", [op("Unsqueeze", ["position_ids", "a1"], "p3")], "pf", to=1)
         freqs = op("Transpose", [op("MatMul", [expanded, pos], "mm")], "freqs", perm=[0, 2, 1])
     else:
@@ -82,7 +100,13 @@ def _graph(v: Variant) -> onnx.ModelProto:
         sin = op("Concat", [op("Sin", [freqs], "s1"), op("Sin", [second], "s2")], "sin", axis=-1)
     elif v.interleaved if v.interleaved_cos is None else v.interleaved_cos:
         f4 = op("Unsqueeze", [freqs, const("a3", [3])], "f4")
-        pairs = op("Expand", [f4, const("rep2", [1, 1, 1, 2])], "pairs")
+        if v.pair_form == "expand":
+            pairs = op("Expand", [f4, const("rep2", [1, 1, 1, 2])], "pairs")
+        else:
+            other = f4
+            if v.pair_form == "wrong":
+                other = op("Mul", [f4, const("two_f", 2.0, np.float32)], "f4x2")
+            pairs = op("Concat", [f4, other], "pairs", axis=-1)
         bs = op("Shape", [freqs], "bs", start=0, end=-1)
         emb = op("Reshape", [pairs, op("Concat", [bs, const("m1", [-1])], "es", axis=0)], "emb")
         cos, sin = op("Cos", [emb], "cos"), op("Sin", [emb], "sin")
@@ -121,6 +145,15 @@ def _graph(v: Variant) -> onnx.ModelProto:
         bns = op("Shape", [x], "bns", start=0, end=3)
         flat = op("Concat", [bns, const("width", [v.rotary])], "flat", axis=0)
         turned = op("Reshape", [stack, flat], "turned")
+    elif v.split_form == "shape":
+        # x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2 :] as TorchScript writes them
+        width = op("Gather", [op("Shape", [x], "x_shape"), const("i3", 3)], "x_width", axis=0)
+        mid = op("Unsqueeze", [op("Div", [width, const("i2", 2)], "x_mid"), "a0"], "x_mid1")
+        const("a0", [0])
+        x1 = op("Slice", [x, const("s0", [0]), mid, "ax3", const("st1", [1])], "x1")
+        x2 = op("Slice", [x, mid, const("sbig", [BIG]), "ax3", "st1"], "x2")
+        neg = op("Neg", [x2], "neg")
+        turned = op("Concat", [neg, x1], "turned", axis=-1)
     else:
         split = v.split or half
         x1, x2 = last_slice(x, 0, split, "x1"), last_slice(x, split, BIG, "x2")
@@ -245,3 +278,54 @@ def test_other_rotations_are_not_matched(variant):
     ir_model, ctx = _ctx(_graph(variant))
     assert RotateHalfToRotaryEmbedding().apply(_rope_add(ir_model), ctx) is None
     assert not any(n.op_type == "RotaryEmbedding" for n in ir_model.graph)
+
+
+# Exporter idioms outside the structural [c, c] proof: transformers 4.x under the TorchScript
+# exporter (Optimum). Each must end as RotaryEmbedding with constant caches read at the
+# position_ids (the form GQA's fused rotary takes) and compute what the original computes.
+CACHED = {
+    "shape-computed-split": Variant(split_form="shape"),
+    "opaque-batch": Variant(freqs_form="matmul", batch_form="opaque"),
+    "opaque-batch-scaled-partial": Variant(
+        freqs_form="matmul", batch_form="opaque", scaling=0.5, rotary=8
+    ),
+    "tiled-inv-freq-interleaved": Variant(freqs_form="matmul-tile", interleaved=True),
+    "pairs-by-concat-interleaved": Variant(
+        freqs_form="matmul", interleaved=True, pair_form="concat"
+    ),
+    "pairs-by-concat-interleaved-scaled": Variant(
+        freqs_form="matmul", interleaved=True, pair_form="concat", scaling=0.75
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(CACHED))
+def test_exporter_forms_become_cached_rotary_embedding(name):
+    v = CACHED[name]
+    original = _graph(v)
+    ir_model, ctx = _ctx(original)
+    outcome = RotateHalfToRotaryEmbedding().apply(_rope_add(ir_model), ctx)
+    assert isinstance(outcome, Rewritten), outcome
+    RopeCosSinToCaches().apply(
+        next(n for n in ir_model.graph if n.op_type == "RotaryEmbedding"), ctx
+    )
+    rope = next(n for n in ir_model.graph if n.op_type == "RotaryEmbedding")
+    assert rope.attributes["interleaved"].value == int(v.interleaved)
+    assert rope.inputs[1].const_value.numpy().shape == (256, v.rotary // 2)
+    assert rope.inputs[3].name == "position_ids"
+    ir.passes.common.RemoveUnusedNodesPass()(ir_model)
+    optimized = ir.to_proto(ir_model)
+    onnx.checker.check_model(optimized, full_check=True)
+    assert not {"Neg", "Cos", "Sin"} & {n.op_type for n in optimized.graph.node}
+    feeds = _feeds(v.dtype)
+    np.testing.assert_allclose(_run(optimized, feeds), _run(original, feeds), atol=1e-5, rtol=1e-5)
+
+
+def test_pairs_that_are_not_repeated_are_kept():
+    """Interleaved cos/sin whose pairs are (f, 2f) evaluate to something else: kept."""
+    v = Variant(freqs_form="matmul", interleaved=True, pair_form="wrong")
+    ir_model, ctx = _ctx(_graph(v))
+    outcome = RotateHalfToRotaryEmbedding().apply(_rope_add(ir_model), ctx)
+    assert isinstance(outcome, Kept) and "do not match" in outcome.reason, outcome
+    assert not any(n.op_type == "RotaryEmbedding" for n in ir_model.graph)
+    assert ir_model.opset_imports[""] == 18
