@@ -317,3 +317,53 @@ def _prove(graph, cos, sin, positions, cos_np, sin_np, max_len, widen=None) -> s
 
 # (batch, past) sizes the shape-only inputs are fed at: two batches, with and without a past.
 _PROBES = ((1, 0), (2, 3))
+
+
+def evaluated_equal(ctx, left: list[ir.Value], right: list[ir.Value]) -> bool:
+    """True when each value of ``left`` evaluates equal to the one of ``right`` at the same
+    place, at spread positions and several batch and past sizes: the exporter duplicated the
+    cos/sin subgraph for Q and K (opset 23 dynamo exports emit one Cos/Sin per
+    RotaryEmbedding). They may read one 2-D integer input (the positions) by value and any
+    inputs through their shape; anything else (hidden states) is not evaluated."""
+    key = ("rope-evaluated-equal", *map(id, left), *map(id, right))
+    if key in ctx.cache:
+        return ctx.cache[key]
+    ctx.cache[key] = result = _evaluated_equal(ctx.graph, left, right, ctx.options.max_seq_len)
+    return result
+
+
+def _evaluated_equal(graph, left, right, max_len: int) -> bool:
+    try:
+        deps = [value_dependencies(v) for v in (*left, *right)]
+    except _Unprovable:
+        return False
+    by_value = set().union(*(d[0] for d in deps))
+    by_shape = set().union(*(d[1] for d in deps)) - by_value
+    if len(by_value) != 1:
+        return False
+    (positions,) = by_value
+    if _positions(positions) is None or positions.shape is None:
+        return False
+    shaped = sorted(by_shape, key=lambda v: v.name or "")
+    try:
+        evaluator = SubgraphEvaluator(graph, [*left, *right], inputs=[positions, *shaped])
+    except Exception:
+        return False
+    sample = np.unique(np.linspace(0, max_len - 1, num=min(max_len, 97)).astype(np.int64))
+    for batch, past in _PROBES:
+        ids = np.stack([sample, sample[::-1]][:batch]).astype(positions.dtype.numpy())
+        feeds = {positions.name: ids}
+        for value in shaped:
+            array = probe_array(value, positions, batch, len(sample), past)
+            if array is None:
+                return False
+            feeds[value.name] = array
+        try:
+            got = evaluator(feeds)
+        except Exception:
+            return False
+        half = len(left)
+        for a, b in zip(got[:half], got[half:], strict=True):
+            if a.shape != b.shape or not np.array_equal(a, b):
+                return False
+    return True

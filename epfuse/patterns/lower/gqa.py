@@ -41,6 +41,7 @@ from .._graph import (
 )
 from .._layout import bsd_consumer, from_bsd, last_dim, to_bsd
 from ..base import Kept, RewriteContext, Rewritten, Rule, Stage
+from ..canonicalize.rope_caches import evaluated_equal
 from ..canonicalize.rotate_half import RotateHalfToRotaryEmbedding
 from ..mask_analysis import ProvenMask, analyze_mask
 from .mrope import is_streams, mrope_positions, unproven_reason
@@ -71,6 +72,17 @@ class _Rope:
         return all(a is not None for a in (c1, s1, c2, s2)) and (
             np.array_equal(c1, c2) and np.array_equal(s1, s2)
         )
+
+    def evaluates_as(self, other: _Rope, ctx: RewriteContext) -> bool:
+        """Same attributes and positions, and cos/sin that are distinct subgraphs (the
+        exporter duplicated them) proven equal by evaluation."""
+        if (self.interleaved, self.rotary_dim) != (other.interleaved, other.rotary_dim):
+            return False
+        if self.positions is not other.positions or None in (self.cos, self.sin):
+            return False
+        if other.cos is None or other.sin is None:
+            return False
+        return evaluated_equal(ctx, [self.cos, self.sin], [other.cos, other.sin])
 
 
 def _heads(node: ir.Node, q: ir.Value, k: ir.Value, past_k: ir.Value | None):
@@ -252,7 +264,7 @@ class AttentionToGQA(Rule):
         if q_node is None or k_node is None:
             return _RopePlan(False, None, None, "only one of Q and K is rotated")
         rq, rk = _Rope(q_node), _Rope(k_node)
-        if not rq.same_as(rk):
+        if not rq.same_as(rk) and not rq.evaluates_as(rk, ctx):
             return _RopePlan(False, rq, rk, "Q and K are rotated differently")
         if rq.positions is None and rq.cos is not None and mrope_positions(rq.cos) is not None:
             how = "cos/sin mixed per stream"
