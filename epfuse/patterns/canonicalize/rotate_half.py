@@ -90,6 +90,15 @@ def static_ints(value: ir.Value | None, _depth: int = 0) -> list[int] | None:
         if a is None or b is None or len(a) != 1 or len(b) != 1 or a[0] < 0 or b[0] <= 0:
             return None
         return [a[0] // b[0]]
+    if node.op_type == "Gather" and (shape := producer(node.inputs[0], "Shape")) is not None:
+        # x.shape[-1] of a Slice whose width shape inference left unknown (_static_last)
+        index, src = const_ints(node.inputs[1]), shape.inputs[0]
+        r = len(src.shape) if src.shape is not None else None
+        if index is not None and len(index) == 1 and r is not None and attr(node, "axis", 0) == 0:
+            start = attr(shape, "start", 0)
+            if attr(shape, "end") is None and start in (0,) and index[0] in (-1, r - 1):
+                width = _static_last(src)
+                return [width] if width is not None else None
     folded = shape_vector(value)
     if folded is None or not all(isinstance(d, int) for d in folded):
         return None
@@ -100,10 +109,23 @@ _INT_TYPES = (ir.DataType.INT64, ir.DataType.INT32)
 
 
 def _static_last(value: ir.Value) -> int | None:
+    """The static last dim; for a step-1 last-axis Slice whose bounds are computed from static
+    dims (shape inference leaves those unknown), the width the bounds give."""
     if value.shape is None or not value.shape:
         return None
     d = value.shape[-1]
-    return d if isinstance(d, int) else None
+    if isinstance(d, int):
+        return d
+    node = value.producer()
+    if node is None or node.op_type != "Slice" or len(value.shape) != 4:
+        return None
+    source = node.inputs[0]
+    bounds = _last_axis_slice(node, source, 4)
+    width = source.shape[-1] if source.shape is not None and len(source.shape) == 4 else None
+    if bounds is None or not isinstance(width, int):
+        return None
+    start, end = (b + width if b < 0 else b for b in bounds)
+    return max(0, min(end, width) - max(0, min(start, width)))
 
 
 def _rotate_half_source(rotated: ir.Value, chain: list[ir.Node]) -> ir.Value | None:
@@ -362,6 +384,23 @@ def _swap(template: ir.Node, value: ir.Value) -> list[ir.Value]:
     return [value if const_scalar(i) is None else i for i in template.inputs]
 
 
+def _bns(x: ir.Value) -> ir.Value:
+    """The tensor whose (B, N, S) dims x has: x, or the input of the last-axis Slice x is
+    (shape inference loses every dim of a Slice with computed bounds)."""
+    node = x.producer()
+    if node is not None and node.op_type == "Slice" and _last_axis_slice(node, node.inputs[0], 4):
+        source = node.inputs[0]
+        if source.shape is not None and len(source.shape) == 4:
+            return source
+    return x
+
+
+def _per_token(value: ir.Value, x: ir.Value) -> bool:
+    """value is (batch, seq, ...) of the (B, N, S, H) x: provably not broadcast."""
+    ref = _bns(x)
+    return same_dim(dim(value, 0), dim(ref, 0)) and same_dim(dim(value, 1), dim(ref, 2))
+
+
 def _to_position_caches(ctx: RewriteContext, rope: ir.Node, x: ir.Value) -> str | None:
     """Turn ``rope``'s run-time cos/sin into caches read at position_ids (proven by
     evaluation, see ``rope_caches``), with the positions (batch, seq) like ``x``; or why not."""
@@ -369,7 +408,7 @@ def _to_position_caches(ctx: RewriteContext, rope: ir.Node, x: ir.Value) -> str 
     if not isinstance(outcome, Rewritten):
         return outcome.reason if isinstance(outcome, Kept) else "not position_ids x inv_freq"
     positions = input_at(rope, 3)
-    if same_dim(dim(positions, 0), dim(x, 0)) and same_dim(dim(positions, 1), dim(x, 2)):
+    if _per_token(positions, x):
         return None
     return "the positions are not (batch, seq) of the rotated input"
 
@@ -385,7 +424,7 @@ def _proven_full_rope(ctx, node, x, cos_full, sin_full, interleaved, why: str) -
     if traced is None:
         return f"{why}; no position_ids x inv_freq found upstream"
     positions, inv_freq = traced
-    if not (same_dim(dim(positions, 0), dim(x, 0)) and same_dim(dim(positions, 1), dim(x, 2))):
+    if not _per_token(positions, x):
         return f"{why}; the positions are not (batch, seq) of the rotated input"
     caches = full_width_caches(
         ctx, node, inv_freq, x.dtype, cos_full, sin_full, positions, interleaved
@@ -438,7 +477,8 @@ class RotateHalfToRotaryEmbedding(Rule):
         source = x
         if partial is not None:
             source, concat, tail = partial
-            attributes["rotary_embedding_dim"] = width
+            if width < _static_last(source):
+                attributes["rotary_embedding_dim"] = width
             chain = [concat, *chain, x.producer(), tail]
             target = concat.outputs[0]
         rope = self._structural(ctx, node, x, cos_full, sin_full, interleaved)
@@ -461,7 +501,7 @@ class RotateHalfToRotaryEmbedding(Rule):
             out.name, target.name = target.name, None
         replace_value(target, out)
         remove_dead(ctx.graph, chain)
-        kind = f"partial {width}" if partial is not None else "full"
+        kind = f"partial {width}" if "rotary_embedding_dim" in attributes else "full"
         kind += ", interleaved" if interleaved else ""
         return Rewritten(f"rotate-half RoPE ({kind}) -> RotaryEmbedding")
 
@@ -482,7 +522,7 @@ class RotateHalfToRotaryEmbedding(Rule):
             if dtype != x.dtype:
                 return "cos/sin do not have the dtype of the rotated input"
             # RotaryEmbedding reads cos/sin per (batch, token): they must not broadcast.
-            if dim(half, 0) != dim(x, 0) or dim(half, 1) != dim(x, 2):
+            if not _per_token(half, x):
                 per_token = False
         cos_half = _half(ctx, cos_full, cos_plan, node)
         sin_half = _half(ctx, sin_full, sin_plan, node)
@@ -541,7 +581,9 @@ class RotateHalfToRotaryEmbedding(Rule):
         if full.shape is None or len(full.shape) != 4 or _static_last(full) is None:
             return None
         width = _static_last(x)
-        if _last_axis_slice(head, full, 4) != (0, width) or width >= _static_last(full):
+        # width == the head size: transformers 4.x's Phi-3 always splits at cos.shape[-1] and
+        # concatenates an empty pass-through; the whole is then a full rotation.
+        if _last_axis_slice(head, full, 4) != (0, width) or width > _static_last(full):
             return None
         uses = list(node.outputs[0].uses())
         if len(uses) != 1 or node.outputs[0].is_graph_output():
