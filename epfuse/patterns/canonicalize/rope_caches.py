@@ -14,7 +14,7 @@ import numpy as np
 import onnx_ir as ir
 
 from .._evaluate import SubgraphEvaluator, _Unprovable, value_dependencies
-from .._graph import Builder, attr, const_array, const_scalar, input_at, producer
+from .._graph import Builder, attr, const_array, const_ints, const_scalar, input_at, producer
 from .._signature import probe_array
 from ..base import Kept, RewriteContext, Rewritten, Rule, Stage
 
@@ -263,11 +263,13 @@ def _caches(ctx, inv_freq, scale, dtype, node, cos, sin, positions):
     return built
 
 
-def _prove(graph, cos, sin, positions, cos_np, sin_np, max_len, widen=None) -> str | None:
+def _prove(
+    graph, cos, sin, positions, cos_np, sin_np, max_len, widen=None, probes=None
+) -> str | None:
     """Evaluate the original cos/sin on sampled positions; they must match the caches.
 
     ``widen`` maps cache rows to what the graph computes (full-width [c, c]), when not the
-    identity. Besides the positions (read by value), the subgraph may read other graph inputs through
+    identity; ``probes`` overrides the (batch, past) sizes. Besides the positions (read by value), the subgraph may read other graph inputs through
     their shape only: transformers 4.x expands ``inv_freq`` to the batch size taken from
     whichever input torch picked (a past key, say). Those inputs are fed at several batch
     and past sizes, and the result must be the cache rows of the positions every time.
@@ -289,7 +291,7 @@ def _prove(graph, cos, sin, positions, cos_np, sin_np, max_len, widen=None) -> s
     tol = 1e-6 + 2e-7 * max_len  # float32 angle rounding grows with the position
     if cos_np.dtype != np.float32:
         tol = max(tol, 2e-3)
-    for batch, past in _PROBES:
+    for batch, past in probes or _PROBES:
         ids = np.stack([sample, sample[::-1]][:batch]).astype(pos_dtype)
         feeds = {positions.name: ids}
         for value in shaped:
@@ -367,3 +369,77 @@ def _evaluated_equal(graph, left, right, max_len: int) -> bool:
             if a.shape != b.shape or not np.array_equal(a, b):
                 return False
     return True
+
+
+def table_caches(ctx, node, cos, sin, dtype, interleaved: bool):
+    """(cos_cache, sin_cache, positions) when the full-width run-time ``cos``/``sin`` are rows
+    of constant tables gathered at the positions (transformers < 4.38's ``cos_cached``, sliced
+    to the sequence length, then ``cos[position_ids]``), the tables being ``[c, c]``
+    (``interleaved``: ``repeat_interleave(c, 2)``); or why not. The tables' halves are checked
+    whole; that the graph reads their rows at the positions is proven by evaluation, with a
+    past as long as the table (the contract: positions < past + seq)."""
+    cos_src, sin_src = _gathered_table(cos), _gathered_table(sin)
+    if cos_src is None or sin_src is None:
+        return "cos/sin are neither position_ids x inv_freq nor rows of a constant table"
+    (cos_table, positions), (sin_table, sin_positions) = cos_src, sin_src
+    if sin_positions is not positions or cos_table.shape != sin_table.shape:
+        return "cos and sin tables are read differently"
+    if cos_table.ndim != 2 or cos_table.shape[1] % 2:
+        return "the cos/sin tables are not (positions, rotary_dim)"
+    halves = []
+    for table in (cos_table, sin_table):
+        half = table[:, ::2] if interleaved else table[:, : table.shape[1] // 2]
+        widened = np.repeat(half, 2, axis=-1) if interleaved else np.concatenate([half] * 2, -1)
+        if not np.array_equal(widened, table):
+            return "the cos/sin tables are not two equal halves [c, c]"
+        halves.append(half.astype(dtype.numpy()))
+    rows = cos_table.shape[0]
+    if interleaved:
+        widen = lambda r: np.repeat(r, 2, axis=-1)  # noqa: E731
+    else:
+        widen = lambda r: np.concatenate([r, r], axis=-1)  # noqa: E731
+    key = ("rope-table-proof", id(cos), id(sin), interleaved)
+    if key not in ctx.cache:
+        ctx.cache[key] = _prove(
+            ctx.graph, cos, sin, positions, *halves, rows, widen, ((1, rows), (2, rows))
+        )
+    if ctx.cache[key]:
+        return ctx.cache[key]
+    builder = Builder(ctx.graph, node, "epfuse/rope")
+    return builder.const("cos_cache", halves[0]), builder.const("sin_cache", halves[1]), positions
+
+
+def _gathered_table(value: ir.Value):
+    """(table, positions) of ``Gather(table[:n], positions)`` under value-preserving ops."""
+    gather = _through_to(value, "Gather")
+    if gather is None or attr(gather, "axis", 0) != 0:
+        return None
+    positions = _positions(_through(gather.inputs[1]))
+    source = gather.inputs[0]
+    node = source.producer()
+    if node is not None and node.op_type == "Slice":  # cos_cached[:seq_len] (rows axis)
+        axes = input_at(node, 3)
+        if const_ints(input_at(node, 1)) != [0] or (axes is not None and const_ints(axes) != [0]):
+            return None
+        source = node.inputs[0]
+    table = const_array(_through(source))
+    if table is None or positions is None or table.dtype.kind != "f" or table.ndim < 2:
+        return None
+    if any(d != 1 for d in table.shape[:-2]):
+        return None
+    table = table.reshape(table.shape[-2:])
+    return table.astype(np.float64), positions
+
+
+def _through_to(value: ir.Value, op_type: str) -> ir.Node | None:
+    """The ``op_type`` node under at most a few value-preserving ops above ``value``."""
+    for _ in range(6):
+        node = value.producer() if value is not None else None
+        if node is None:
+            return None
+        if node.op_type == op_type and node.domain == "":
+            return node
+        if node.op_type not in _PASS_THROUGH:
+            return None
+        value = node.inputs[0]
+    return None

@@ -50,7 +50,7 @@ from .._graph import (
 )
 from .._opset import require_default_opset
 from ..base import Kept, RewriteContext, Rewritten, Rule, Stage
-from .rope_caches import RopeCosSinToCaches, find_freqs, full_width_caches
+from .rope_caches import RopeCosSinToCaches, find_freqs, full_width_caches, table_caches
 
 _INT64_MAX = 2**63 - 1
 
@@ -422,15 +422,19 @@ def _proven_full_rope(ctx, node, x, cos_full, sin_full, interleaved, why: str) -
     matter, the evaluation decides."""
     traced = find_freqs(cos_full)
     if traced is None:
-        return f"{why}; no position_ids x inv_freq found upstream"
-    positions, inv_freq = traced
+        found = table_caches(ctx, node, cos_full, sin_full, x.dtype, interleaved)
+        if isinstance(found, str):
+            return f"{why}; {found}"
+        *caches, positions = found
+    else:
+        positions, inv_freq = traced
+        caches = full_width_caches(
+            ctx, node, inv_freq, x.dtype, cos_full, sin_full, positions, interleaved
+        )
+        if isinstance(caches, str):
+            return f"{why}; {caches}"
     if not _per_token(positions, x):
         return f"{why}; the positions are not (batch, seq) of the rotated input"
-    caches = full_width_caches(
-        ctx, node, inv_freq, x.dtype, cos_full, sin_full, positions, interleaved
-    )
-    if isinstance(caches, str):
-        return f"{why}; {caches}"
     rope = ir.node(
         "RotaryEmbedding",
         [x, *caches, positions],

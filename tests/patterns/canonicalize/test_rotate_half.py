@@ -46,6 +46,9 @@ class Variant:
     # interleaved cos/sin: "expand" (dynamo) | "concat" (pairs stacked by Concat: only the
     # evaluation proves it) | "wrong" (the pair's second entry is 2f: must be kept)
     pair_form: str = "expand"
+    # cos/sin as rows of constant tables (transformers < 4.38's cos_cached[:n][position_ids]):
+    # "gather" | "sliced" (Slice of the rows first) | "uneven" (second half differs: kept)
+    table: str | None = None
 
 
 def _graph(v: Variant) -> onnx.ModelProto:
@@ -95,7 +98,31 @@ def _graph(v: Variant) -> onnx.ModelProto:
             other[-1] *= 1.5
         pos2 = op("Cast", [op("Unsqueeze", ["position_ids", "a2"], "p3b")], "pfb", to=1)
         second = op("Mul", [pos2, const("inv_freq_b", other, np.float32)], "freqs_b")
-    if v.halves == "after-trig":
+    if v.table is not None:
+        angles = np.arange(256)[:, None] * inv_freq[None, :]
+        tables = []
+        for trig in (np.cos, np.sin):
+            half_table = trig(angles)
+            if v.interleaved:
+                full = np.repeat(half_table, 2, axis=-1)
+            else:
+                full = np.concatenate([half_table, half_table], axis=-1)
+            if v.table == "uneven":
+                full[:, -1] += 0.25
+            tables.append(full)
+        gathered = []
+        for name, table in zip(("cos_cached", "sin_cached"), tables, strict=True):
+            rows = const(name, table, np.float32)
+            if v.table == "sliced":
+                rows = op(
+                    "Slice",
+                    [rows, const(f"{name}_0", [0]), const(f"{name}_n", [BIG]), "a0r"],
+                    f"{name}_rows",
+                )
+            gathered.append(op("Gather", [rows, "position_ids"], f"{name}_at", axis=0))
+        const("a0r", [0])
+        cos, sin = gathered
+    elif v.halves == "after-trig":
         cos = op("Concat", [op("Cos", [freqs], "c1"), op("Cos", [second], "c2")], "cos", axis=-1)
         sin = op("Concat", [op("Sin", [freqs], "s1"), op("Sin", [second], "s2")], "sin", axis=-1)
     elif v.interleaved if v.interleaved_cos is None else v.interleaved_cos:
@@ -293,6 +320,9 @@ CACHED = {
     "pairs-by-concat-interleaved": Variant(
         freqs_form="matmul", interleaved=True, pair_form="concat"
     ),
+    "table-gathered": Variant(table="gather"),
+    "table-sliced-then-gathered": Variant(table="sliced"),
+    "table-interleaved": Variant(table="gather", interleaved=True),
     "pairs-by-concat-interleaved-scaled": Variant(
         freqs_form="matmul", interleaved=True, pair_form="concat", scaling=0.75
     ),
@@ -329,3 +359,10 @@ def test_pairs_that_are_not_repeated_are_kept():
     assert isinstance(outcome, Kept) and "do not match" in outcome.reason, outcome
     assert not any(n.op_type == "RotaryEmbedding" for n in ir_model.graph)
     assert ir_model.opset_imports[""] == 18
+
+
+def test_tables_that_are_not_two_halves_are_kept():
+    ir_model, ctx = _ctx(_graph(Variant(table="uneven")))
+    outcome = RotateHalfToRotaryEmbedding().apply(_rope_add(ir_model), ctx)
+    assert isinstance(outcome, Kept) and "tables are not two equal halves" in outcome.reason
+    assert not any(n.op_type == "RotaryEmbedding" for n in ir_model.graph)
