@@ -253,7 +253,7 @@ class AttentionToGQA(Rule):
 
     def _plan_rope(self, q: ir.Value, k: ir.Value, head_size: int, ctx: RewriteContext):
         caps = ctx.ops.gqa
-        q_node, k_node = producer(q, "RotaryEmbedding"), producer(k, "RotaryEmbedding")
+        q_node, k_node = _rotary_producer(q), _rotary_producer(k)
         mrotary = [producer(v, "MRotaryEmbedding", "com.microsoft") for v in (q, k)]
         if any(n is not None for n in mrotary):
             return _RopePlan(False, None, None, _MROPE_REASON.format(how="MRotaryEmbedding"))
@@ -316,6 +316,20 @@ class AttentionToGQA(Rule):
         if pos.dtype != ir.DataType.INT64:
             return _RopePlan(False, rq, rk, "position_ids are not int64")
         return _RopePlan(True, rq, rk, None)
+
+
+def _rotary_producer(value: ir.Value) -> ir.Node | None:
+    """The RotaryEmbedding making ``value``, under Casts to the dtype it already has
+    (transformers' Cohere rotates in float32 and casts back: ``q_embed.to(dtype)``)."""
+    for _ in range(4):
+        node = value.producer()
+        if node is None or node.op_type != "Cast" or node.domain != "":
+            break
+        source = node.inputs[0]
+        if source is None or source.dtype is None or source.dtype != value.dtype:
+            break
+        value = source
+    return producer(value, "RotaryEmbedding")
 
 
 def _arithmetic_rope_reason(q: ir.Value) -> str | None:

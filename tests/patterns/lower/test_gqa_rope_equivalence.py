@@ -47,3 +47,27 @@ def test_duplicated_cos_sin_are_proven_equal(k_differs):
     assert expected in reasons[0], report.summary()
     assert "not constant caches" in reasons[1], report.summary()
     assert_equivalent(original, optimized)
+
+
+def test_rotation_cast_back_to_its_own_dtype_still_fuses():
+    """Cohere rotates in float32 and casts back (``q_embed.to(dtype)``): a Cast to the dtype
+    the rotated Q/K already have is no obstacle to moving the rotation into GQA."""
+    cfg = DecoderConfig(style="torch23")
+    original = build_decoder(cfg)
+    graph = original.graph
+    for rotated in ("q_rot", "k_rot", "q_rot_1", "k_rot_1"):
+        # the shapes an exporter records (Optimum does), so the head counts are static here
+        heads = cfg.heads if rotated.startswith("q") else cfg.kv_heads
+        graph.value_info.append(
+            helper.make_tensor_value_info(
+                f"{rotated}_cast", 1, ["batch", heads, "seq", cfg.head_dim]
+            )
+        )
+        index = next(i for i, n in enumerate(graph.node) if rotated in n.output)
+        graph.node.insert(index + 1, helper.make_node("Cast", [rotated], [f"{rotated}_cast"], to=1))
+        for node in graph.node[index + 2 :]:
+            node.input[:] = [f"{rotated}_cast" if i == rotated else i for i in node.input]
+    optimized, report = epfuse.optimize_with_report(original, "cpu")
+    results = [layer.result for layer in report.layers]
+    assert results == ["GroupQueryAttention(do_rotary=1)"] * 2, report.summary()
+    assert_equivalent(original, optimized)
