@@ -6,6 +6,15 @@ The caches have ``max_seq_len`` rows and are computed once, in float64, from the
 ``inv_freq`` constant (and constant output scale, Hugging Face's ``attention_scaling``), then
 cast to the model dtype. Before rewriting, the original subgraph is evaluated on ORT at a
 spread of positions and must agree with the cache: the interpretation is proven, not assumed.
+
+Whatever transformers version wrote the graph: 4.x expands ``inv_freq`` to a batch size that
+torch.onnx reads off another input (a past key), Optimum's Cohere patch ``repeat``s it
+(Tile); such inputs, read only through their shape, are fed at several batch and past sizes
+during the proof. For the rotate-half rule, :func:`full_width_caches` proves full-width
+cos/sin (``[c, c]`` or ``repeat_interleave(c, 2)``, however the widening is written) against
+caches, and :func:`table_caches` cos/sin gathered from constant tables (transformers < 4.38's
+``cos_cached[position_ids]``). :func:`evaluated_equal` lets the GQA lowering accept Q and K
+rotated by duplicated cos/sin subgraphs.
 """
 
 from __future__ import annotations

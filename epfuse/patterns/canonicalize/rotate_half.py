@@ -26,9 +26,21 @@ it back while keeping the leading axes).
 Partial rotary (``Concat(rope(Slice(x, 0, R)), Slice(x, R, end))``) becomes one
 ``RotaryEmbedding(x, ..., rotary_embedding_dim=R)``, which passes the rest through.
 
-Not handled (left unchanged, so still correct): cos/sin not provably duplicated halves (or
-pairs, interleaved), inputs that are not (B, N, S, D) (e.g. RoPE applied before the head
-transpose), rotations written in other orders.
+The TorchScript exporter (Optimum, transformers 4.x) writes the split point as
+``x.shape[-1] // 2`` computed in the graph (folded here from static dims), loses the batch dim
+of cos/sin (then they must be proven cache rows of the ``position_ids``, see
+``rope_caches``), and writes ``repeat_interleave`` as a Range/NonZero/GatherND chain. When the
+structure does not prove ``[c, c]``, the full-width cos/sin are evaluated against caches built
+from the ``inv_freq`` found upstream (or from a constant cos/sin table gathered at the
+positions); the result is then ``RotaryEmbedding(x, cos_cache, sin_cache, position_ids)``.
+A split at the whole head with an empty pass-through (transformers 4.x's Phi-3) is a full
+rotation.
+
+Not handled (left unchanged, so still correct): cos/sin neither provably duplicated halves
+(or pairs, interleaved) nor evaluated to be, inputs that are not (B, N, S, D) (e.g. RoPE
+applied before the head transpose), rotations written in other orders, and cos/sin whose
+batch is not provably the input's and whose positions are not (batch, seq) of it (positions
+of shape (1, seq) computed from the past length, as Optimum's Gemma-2 export has).
 """
 
 from __future__ import annotations
