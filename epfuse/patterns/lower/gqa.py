@@ -11,7 +11,8 @@ the reason in the report):
 * Q, K, V are (B, N, S, H) or (B, S, N*H) with static head counts and head size.
 
 RoPE: when Q and K are rotated by the same canonical ``RotaryEmbedding`` (constant caches and
-``position_ids``) and the EP's fused rotary can take it (dtype, head-size and cache-width
+``position_ids``; duplicated cos/sin subgraphs count as the same once evaluated equal, and a
+Cast back to the rotated dtype is looked through) and the EP's fused rotary can take it (dtype, head-size and cache-width
 limits, interleaving, positions read from ``position_ids``), the rotation moves into GQA with
 ``do_rotary=1``. Otherwise the rotation stays in the graph and GQA runs with ``do_rotary=0``
 on the rotated Q and K — always correct — and the report says why.
