@@ -199,16 +199,17 @@ def full_width_caches(ctx, node, inv_freq, dtype, cos, sin, positions, interleav
     if key not in ctx.cache:
         ctx.cache[key] = (*_cache_arrays(inv_freq, scale, dtype, max_len), None)
     cos_np, sin_np, built = ctx.cache[key]
-    proof_key = ("rope-cache-full-proof", id(cos), id(sin), id(positions), interleaved, key)
-    if proof_key not in ctx.cache:
-        if interleaved:
-            widen = lambda rows: np.repeat(rows, 2, axis=-1)  # noqa: E731
-        else:
-            widen = lambda rows: np.concatenate([rows, rows], axis=-1)  # noqa: E731
-        ctx.cache[proof_key] = _prove(
-            ctx.graph, cos, sin, positions, cos_np, sin_np, max_len, widen
-        )
-    reason = ctx.cache[proof_key]
+    if interleaved:
+        widen = lambda rows: np.repeat(rows, 2, axis=-1)  # noqa: E731
+    else:
+        widen = lambda rows: np.concatenate([rows, rows], axis=-1)  # noqa: E731
+    reason = _proven_once(
+        ctx,
+        ("rope-cache-full-proof", id(positions), interleaved, key),
+        cos,
+        sin,
+        lambda: _prove(ctx.graph, cos, sin, positions, cos_np, sin_np, max_len, widen),
+    )
     if reason:
         return reason
     if built is None:
@@ -248,6 +249,27 @@ def _cache_arrays(inv_freq, scale, dtype, max_len):
     return (np.cos(angles) * scale).astype(np_dtype), (np.sin(angles) * scale).astype(np_dtype)
 
 
+def _proven_once(ctx, key, cos, sin, prove) -> str | None:
+    """The outcome of ``prove()`` for this cos/sin pair. A pair that is structurally the same
+    computation as one already proven under ``key`` (same ops, attributes and constants on the
+    same inputs: the exporter's per-layer or per-RotaryEmbedding duplicates) shares its proof,
+    so a model's proofs cost one evaluation, not one per layer."""
+    from .rotate_half import same_computation  # (rotate_half imports this module)
+
+    pair_key = (*key, id(cos), id(sin))
+    if pair_key in ctx.cache:
+        return ctx.cache[pair_key]
+    proven = ctx.cache.setdefault((*key, "proven"), [])
+    if any(same_computation(cos, c) and same_computation(sin, s) for c, s in proven[:4]):
+        reason = None
+    else:
+        reason = prove()
+        if reason is None:
+            proven.append((cos, sin))
+    ctx.cache[pair_key] = reason
+    return reason
+
+
 def _caches(ctx, inv_freq, scale, dtype, node, cos, sin, positions):
     """The (cos_cache, sin_cache) constants, or why the run-time cos/sin are not them.
 
@@ -259,10 +281,13 @@ def _caches(ctx, inv_freq, scale, dtype, node, cos, sin, positions):
     if key not in ctx.cache:
         ctx.cache[key] = (*_cache_arrays(inv_freq, scale, dtype, max_len), None)
     cos_np, sin_np, built = ctx.cache[key]
-    proof_key = ("rope-cache-proof", id(cos), id(sin), id(positions), key)
-    if proof_key not in ctx.cache:
-        ctx.cache[proof_key] = _prove(ctx.graph, cos, sin, positions, cos_np, sin_np, max_len)
-    reason = ctx.cache[proof_key]
+    reason = _proven_once(
+        ctx,
+        ("rope-cache-proof", id(positions), key),
+        cos,
+        sin,
+        lambda: _prove(ctx.graph, cos, sin, positions, cos_np, sin_np, max_len),
+    )
     if reason:
         return reason
     if built is None:

@@ -264,7 +264,7 @@ def _unsqueezed_heads(value: ir.Value, chain: list[ir.Node]) -> ir.Value | None:
     return c
 
 
-def _same_computation(a: ir.Value, b: ir.Value, depth: int = 0) -> bool:
+def same_computation(a: ir.Value, b: ir.Value, depth: int = 0) -> bool:
     """a and b are provably equal: the same value, equal constants, or outputs of the same op
     (type, attributes, output index) on provably equal inputs. Exporters sometimes emit a
     duplicated subgraph instead of reusing one value."""
@@ -291,9 +291,7 @@ def _same_computation(a: ir.Value, b: ir.Value, depth: int = 0) -> bool:
     attrs_b = {k: repr(v.value) for k, v in nb.attributes.items()}
     if attrs_a != attrs_b:
         return False
-    return all(
-        _same_computation(x, y, depth + 1) for x, y in zip(na.inputs, nb.inputs, strict=True)
-    )
+    return all(same_computation(x, y, depth + 1) for x, y in zip(na.inputs, nb.inputs, strict=True))
 
 
 _NONDETERMINISTIC = (
@@ -315,7 +313,7 @@ def _equal_halves(value: ir.Value) -> ir.Value | None:
     h = concat.inputs[0]
     if h is None or h.shape is None or len(h.shape) != 3:
         return None
-    return h if _same_computation(h, concat.inputs[1]) else None
+    return h if same_computation(h, concat.inputs[1]) else None
 
 
 def _half_plan(full: ir.Value, trig: str, interleaved: bool = False):
