@@ -1,0 +1,401 @@
+"""Run both models on ORT CPU over the scenarios and collect the comparisons."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+
+from epfuse.optimizer.tolerances import Tolerance, tolerance_for
+
+from .comparison import (
+    ScenarioResult,
+    VerificationResult,
+    _compare,
+    _compare_valid,
+)
+from .feeds import (
+    PositionStreams,
+    _Case,
+    _continue_case,
+    _feed_float,
+    _prompt_case,
+    _tokens,
+    position_feed,
+    text_positions,
+)
+from .roles import _elem_type, discover_io
+from .scenarios import SCENARIOS, Scenario, _scenario_seed, builtin_scenarios
+
+ModelLike = str | os.PathLike | onnx.ModelProto | Any  # Any: an onnx_ir.Model
+
+
+def _to_proto(model: ModelLike) -> onnx.ModelProto:
+    if isinstance(model, onnx.ModelProto):
+        return model
+    if isinstance(model, (str, os.PathLike)):
+        return onnx.load(str(model))
+    # An onnx_ir.Model (duck-typed so that this module does not need onnx_ir).
+    import onnx_ir as ir
+
+    if isinstance(model, ir.Model):
+        # ORT gets the model as bytes, so external weights are read into memory (in place).
+        ir.external_data.load_to_model(model)
+        return ir.serde.serialize_model(model)
+    raise TypeError(f"expected a path, onnx.ModelProto or onnx_ir.Model, got {type(model)}")
+
+
+def _float32_boundary(model: onnx.ModelProto) -> onnx.ModelProto:
+    """Copy of ``model`` whose bfloat16 graph inputs/outputs are float32 (numpy has no bf16).
+
+    A Cast at the boundary is exact for outputs; inputs are fed with bf16-representable values
+    (presents of the original model, or integers), so the Cast back is exact too.
+    """
+    bf16 = onnx.TensorProto.BFLOAT16
+    boundary = [vi for vi in [*model.graph.input, *model.graph.output] if _elem_type(vi) == bf16]
+    if not boundary:
+        return model
+    model = onnx.ModelProto.FromString(model.SerializeToString())
+    graph = model.graph
+    renames = {vi.name: vi.name + "__epfuse_bf16" for vi in boundary}
+    for node in graph.node:
+        node.input[:] = [renames.get(n, n) for n in node.input]
+        node.output[:] = [renames.get(n, n) for n in node.output]
+    for vi in graph.value_info:
+        vi.name = renames.get(vi.name, vi.name)
+    casts_in = []
+    for vi in graph.input:
+        if vi.name in renames:
+            casts_in.append(onnx.helper.make_node("Cast", [vi.name], [renames[vi.name]], to=bf16))
+            vi.type.tensor_type.elem_type = onnx.TensorProto.FLOAT
+    for vi in graph.output:
+        if vi.name in renames:
+            graph.node.append(
+                onnx.helper.make_node(
+                    "Cast", [renames[vi.name]], [vi.name], to=onnx.TensorProto.FLOAT
+                )
+            )
+            vi.type.tensor_type.elem_type = onnx.TensorProto.FLOAT
+    for node in reversed(casts_in):
+        graph.node.insert(0, node)
+    return model
+
+
+class _Runner:
+    """An ORT CPU session for one model plus its discovered I/O roles."""
+
+    def __init__(
+        self,
+        model: ModelLike,
+        providers: Sequence[str],
+        session_options: ort.SessionOptions | None,
+        position_streams: PositionStreams | None = None,
+    ):
+        proto = _to_proto(model)
+        self.io = discover_io(proto)
+        self.position_streams = position_streams or text_positions
+        proto = _float32_boundary(proto)
+        if session_options is None:
+            session_options = ort.SessionOptions()
+            session_options.log_severity_level = 3
+        self.session = ort.InferenceSession(
+            proto.SerializeToString(), sess_options=session_options, providers=list(providers)
+        )
+
+    def run(
+        self,
+        input_ids: np.ndarray,
+        attention_mask: np.ndarray,
+        position_ids: np.ndarray,
+        past: Sequence[np.ndarray] | None,
+    ) -> tuple[np.ndarray, list[np.ndarray]]:
+        io = self.io
+        feed: dict[str, np.ndarray] = {io.input_ids: input_ids.astype(io.input_ids_dtype)}
+        if io.attention_mask is not None:
+            feed[io.attention_mask] = attention_mask.astype(io.attention_mask_dtype)
+        if io.position_ids is not None:
+            feed[io.position_ids] = position_feed(io, position_ids, self.position_streams)
+        batch = input_ids.shape[0]
+        for i, spec in enumerate(io.kv):
+            if past is None:
+                value = np.zeros((batch, spec.num_kv_heads, 0, spec.head_dim), np.float32)
+            else:
+                value = past[i]
+            feed[spec.past] = value.astype(_feed_float(io.dtype))
+        names = [io.logits] + [spec.present for spec in io.kv if spec.present]
+        outs = self.session.run(names, feed)
+        return outs[0], list(outs[1:])
+
+
+def _compare_step(
+    scenario: str,
+    case: _Case,
+    original: _Runner,
+    optimized: _Runner,
+    past: Sequence[np.ndarray] | None,
+    tol: Tolerance,
+) -> ScenarioResult:
+    result = ScenarioResult(scenario)
+    try:
+        ref_logits, ref_presents = original.run(
+            case.input_ids, case.attention_mask, case.position_ids, past
+        )
+    except Exception as exc:
+        result.error = f"original model failed: {type(exc).__name__}: {_first_line(exc)}"
+        return result
+    try:
+        opt_logits, opt_presents = optimized.run(
+            case.input_ids, case.attention_mask, case.position_ids, past
+        )
+    except Exception as exc:
+        result.error = f"optimized model failed: {type(exc).__name__}: {_first_line(exc)}"
+        return result
+
+    def valid_rows(x: np.ndarray, axis: int, offset: int) -> np.ndarray:
+        # Concatenate each row's valid slice along ``axis`` (padding rows hold garbage).
+        parts = []
+        for b, n in enumerate(case.new_lens):
+            index: list[Any] = [slice(None)] * x.ndim
+            index[0] = slice(b, b + 1)
+            index[axis] = slice(0, offset + n)
+            parts.append(x[tuple(index)].reshape(-1))
+        return np.concatenate(parts)
+
+    logits_name = original.io.logits
+    result.comparisons.append(
+        _compare_valid(
+            scenario, logits_name, "logits", ref_logits, opt_logits, tol, valid_rows, 1, 0
+        )
+    )
+    names = [spec.present for spec in original.io.kv if spec.present]
+    if len(opt_presents) != len(ref_presents):
+        result.error = (
+            f"optimized model has {len(opt_presents)} present outputs, "
+            f"original has {len(ref_presents)}"
+        )
+        return result
+    for name, ref, opt in zip(names, ref_presents, opt_presents, strict=True):
+        result.comparisons.append(
+            _compare_valid(scenario, name, "kv", ref, opt, tol, valid_rows, 2, case.past_len)
+        )
+    return result
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0][:300] if text else ""
+
+
+def compare_models(
+    original: ModelLike,
+    optimized: ModelLike,
+    *,
+    scenarios: Iterable[str | Scenario] = SCENARIOS,
+    prompt_len: int = 7,
+    decode_past_len: int = 6,
+    chunk_past_len: int = 5,
+    chunk_len: int = 3,
+    padded_lens: tuple[int, ...] | None = None,
+    padded_decode_lens: tuple[int, ...] | None = None,
+    padded_decode_steps: int = 2,
+    seed: int = 0,
+    tolerance: Tolerance | None = None,
+    providers: Sequence[str] = ("CPUExecutionProvider",),
+    session_options: ort.SessionOptions | None = None,
+    position_streams: PositionStreams | None = None,
+) -> VerificationResult:
+    """Run ``original`` and ``optimized`` over ``scenarios`` and compare logits and presents.
+
+    Models are paths, ``onnx.ModelProto`` or ``onnx_ir.Model``. ``scenarios`` holds names of
+    the built-in scenarios (:data:`SCENARIOS`, sized by the length arguments) and/or explicit
+    :class:`Scenario` objects (any batch and lengths). Sequence lengths can be raised (e.g.
+    ``prompt_len`` / ``decode_past_len`` beyond a sliding window). ``padded_lens`` defaults to
+    ``(prompt_len, (prompt_len + 1) // 2)``, ``padded_decode_lens`` to ``padded_lens``.
+    ``tolerance`` overrides the dtype's entry in :data:`epfuse.optimizer.tolerances.TOLERANCES`.
+    ``position_streams`` maps the scenario's (batch, seq) positions to (3, batch, seq) mRoPE
+    streams for a model whose position input has that shape (default :func:`text_positions`).
+    """
+    named = builtin_scenarios(
+        prompt_len,
+        decode_past_len,
+        chunk_past_len,
+        chunk_len,
+        padded_lens,
+        padded_decode_lens,
+        padded_decode_steps,
+    )
+    plan: list[Scenario] = []
+    unknown = []
+    for item in scenarios:
+        if isinstance(item, Scenario):
+            plan.append(item)
+        elif item in named:
+            plan.append(named[item])
+        else:
+            unknown.append(item)
+    if unknown:
+        raise ValueError(f"unknown scenarios {unknown}; known: {SCENARIOS}")
+
+    ref = _Runner(original, providers, session_options, position_streams)
+    try:
+        opt = _Runner(optimized, providers, session_options, position_streams)
+    except Exception as exc:
+        # A model that does not load (e.g. an unknown attribute) is a failed verification.
+        message = f"optimized model failed to load: {type(exc).__name__}: {_first_line(exc)}"
+        tol = tolerance or tolerance_for(ref.io.dtype)
+        return VerificationResult(
+            dtype=ref.io.dtype,
+            tolerance=tol,
+            scenarios=[ScenarioResult(s.name, error=message) for s in plan],
+        )
+    if len(ref.io.kv) != len(opt.io.kv):
+        raise ValueError(
+            f"original has {len(ref.io.kv)} past/present pairs, optimized has {len(opt.io.kv)}"
+        )
+    if ref.io.dtype != opt.io.dtype:
+        raise ValueError(f"dtype differs: original {ref.io.dtype}, optimized {opt.io.dtype}")
+    tol = tolerance or tolerance_for(ref.io.dtype)
+    vocab = ref.io.vocab_size or opt.io.vocab_size or 32
+    has_cache = all(spec.present for spec in ref.io.kv) and ref.io.has_cache
+
+    results = []
+    for scenario in plan:
+        rng = np.random.default_rng([seed, _scenario_seed(scenario.name)])
+        results.append(_run_scenario(scenario, rng, ref, opt, tol, vocab, has_cache))
+    return VerificationResult(dtype=ref.io.dtype, tolerance=tol, scenarios=results)
+
+
+def _run_scenario(
+    scenario: Scenario,
+    rng: np.random.Generator,
+    ref: _Runner,
+    opt: _Runner,
+    tol: Tolerance,
+    vocab: int,
+    has_cache: bool,
+) -> ScenarioResult:
+    name = scenario.name
+    if scenario.kind == "prompt":
+        case = _prompt_case(rng, scenario.batch, scenario.lens, vocab)
+        return _compare_step(name, case, ref, opt, None, tol)
+    if not has_cache:
+        return ScenarioResult(name, skipped="model has no KV cache")
+    if scenario.kind == "padded_decode":
+        return _padded_decode(scenario, rng, ref, opt, tol, vocab)
+    batch, past_len, new = scenario.batch, scenario.past_len, scenario.new_len
+    past = None
+    if past_len:
+        first = _prompt_case(rng, batch, (past_len,) * batch, vocab)
+        try:
+            _, past = ref.run(first.input_ids, first.attention_mask, first.position_ids, None)
+        except Exception as exc:
+            return ScenarioResult(
+                name,
+                error=f"original model failed on the {past_len}-token prompt: "
+                f"{type(exc).__name__}: {_first_line(exc)}",
+            )
+    case = _continue_case(rng, batch, past_len, new, vocab)
+    return _compare_step(name, case, ref, opt, past, tol)
+
+
+def _padded_decode(
+    scenario: Scenario,
+    rng: np.random.Generator,
+    ref: _Runner,
+    opt: _Runner,
+    tol: Tolerance,
+    vocab: int,
+) -> ScenarioResult:
+    """See :class:`Scenario`: padded prompt, then decode steps on each model's own cache."""
+    name, lens, batch = scenario.name, scenario.lens, scenario.batch
+    prompt = _prompt_case(rng, batch, lens, vocab)
+    tokens = _tokens(rng, (batch, scenario.steps), vocab)
+    result = ScenarioResult(name)
+
+    def steps(runner: _Runner, rows: Sequence[int] | None) -> list[tuple[np.ndarray, list]]:
+        """Prompt + decode steps for ``rows`` (None: the padded batch; else unpadded rows)."""
+        if rows is None:
+            ids, mask, pos = prompt.input_ids, prompt.attention_mask, prompt.position_ids
+        else:
+            (b,) = rows
+            n = lens[b]
+            ids, mask = prompt.input_ids[b : b + 1, :n], np.ones((1, n), np.int64)
+            pos = prompt.position_ids[b : b + 1, :n]
+        outs = [runner.run(ids, mask, pos, None)]
+        for t in range(scenario.steps):
+            past = outs[-1][1]
+            if rows is None:
+                mask = np.concatenate([mask, np.ones((batch, 1), np.int64)], axis=1)
+                pos = np.array([[n + t] for n in lens], dtype=np.int64)
+                ids = tokens[:, t : t + 1]
+            else:
+                mask = np.ones((1, lens[b] + t + 1), np.int64)
+                pos = np.array([[lens[b] + t]], dtype=np.int64)
+                ids = tokens[b : b + 1, t : t + 1]
+            outs.append(runner.run(ids, mask, pos, past))
+        return outs
+
+    try:
+        ref_out = steps(ref, None)
+        alone = [steps(ref, [b]) for b in range(batch)]
+    except Exception as exc:
+        result.error = f"original model failed: {type(exc).__name__}: {_first_line(exc)}"
+        return result
+    # In contract only if the original computes each padded row as that row alone would.
+    for b in range(batch):
+        for t in range(1, scenario.steps + 1):
+            check = _compare(name, "logits", "logits", alone[b][t][0][0], ref_out[t][0][b], tol)
+            if not check.passed:
+                result.skipped = (
+                    f"the original's row {b} after its padded prompt differs from the row run "
+                    f"alone (max err {check.max_abs_err:.3g}): padding holes change its result "
+                    "(e.g. a sliding window over cache slots)"
+                )
+                return result
+    try:
+        opt_out = steps(opt, None)
+    except Exception as exc:
+        result.error = f"optimized model failed: {type(exc).__name__}: {_first_line(exc)}"
+        return result
+    logits = ref.io.logits
+    for t in range(1, scenario.steps + 1):
+        ref_logits, opt_logits = ref_out[t][0], opt_out[t][0]
+        comparison = _compare(name, logits, "logits", ref_logits, opt_logits, tol)
+        comparison.note = f"step {t}"
+        result.comparisons.append(comparison)
+    # The prompt's rows of the final cache: the new tokens sit at different slots (see above).
+    ref_presents, opt_presents = ref_out[-1][1], opt_out[-1][1]
+    if len(ref_presents) != len(opt_presents):
+        result.error = "optimized model has a different number of present outputs"
+        return result
+    names = [spec.present for spec in ref.io.kv if spec.present]
+    for present, r, o in zip(names, ref_presents, opt_presents, strict=True):
+        if r.shape != o.shape:
+            comparison = _compare(name, present, "kv", r, o, tol)
+        else:
+            comparison = _compare(
+                name,
+                present,
+                "kv",
+                np.concatenate([r[b, :, : lens[b]].reshape(-1) for b in range(batch)]),
+                np.concatenate([o[b, :, : lens[b]].reshape(-1) for b in range(batch)]),
+                tol,
+                shape=tuple(r.shape),
+            )
+        comparison.note = "prompt rows"
+        result.comparisons.append(comparison)
+    return result
+
+
+def assert_equivalent(
+    original: ModelLike, optimized: ModelLike, **kwargs: Any
+) -> VerificationResult:
+    """:func:`compare_models`, raising ``AssertionError`` with the result table on failure."""
+    result = compare_models(original, optimized, **kwargs)
+    if not result.passed:
+        raise AssertionError("optimized model is not equivalent to the original\n" + str(result))
+    return result
