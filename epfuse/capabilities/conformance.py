@@ -1,10 +1,11 @@
 """Does a model contain only what a capability record allows? A structural check.
 
 :func:`required_flags` maps one node to the record flags it needs (``"gqa"``,
-``"gqa.softcap"``, ``"ms_rotary_embedding"``, ...); :func:`violations` checks every node of a
-model against ``record.ops(dtype)``. Nodes whose op and needed flags already occur in the
-original model are the author's choice (a record says what epfuse may *emit*) and come back
-separately as ``kept`` rather than as violations.
+``"gqa.softcap"``, ``"ms_rotary_embedding"``, ...); :func:`missing_flags` says which of them
+a record lacks (the optimizer's legalization stage and its final check both ask it), and
+:func:`violations` checks every node of a model against ``record.ops(dtype)``. An optimized
+model has none. With ``original``, nodes whose op and flags already occur in that model come
+back separately as ``kept`` (for inspecting inputs, e.g. an input model against a record).
 
 :func:`features` reads, per model, the attention features that must survive a rewrite in
 *some* form: softcap values, sliding windows (GQA ``local_window_size`` or a standard
@@ -86,6 +87,29 @@ def flag_allowed(record: EPCapabilities, dtype: str, flag: str) -> bool:
     return bool(getattr(ops, flag))
 
 
+def missing_flags(node: onnx.NodeProto, record: EPCapabilities, dtype: str) -> list[str]:
+    """The record flags ``node`` needs that ``record.ops(dtype)`` lacks ([] when it conforms).
+
+    The one place that decides whether the EP takes a node: ``check`` reports with it and the
+    legalization rules (``epfuse.patterns.legalize``) rewrite every node it objects to.
+    """
+    signature = _signature(node)
+    if signature is None:
+        return []
+    missing = [f for f in signature[2] if not flag_allowed(record, dtype, f)]
+    if not record.vendor_ops and signature[0]:
+        missing.append("vendor_ops")
+    gqa = record.ops(dtype).gqa
+    if (
+        gqa is not None
+        and node.op_type == "GroupQueryAttention"
+        and gqa.requires_rotary_caches
+        and not _present(node, 7)
+    ):
+        missing.append("gqa.requires_rotary_caches (cos/sin absent)")
+    return missing
+
+
 @dataclasses.dataclass
 class Conformance:
     violations: list[str] = dataclasses.field(default_factory=list)
@@ -113,23 +137,12 @@ def check(
     """Every node of ``model`` against ``record.ops(dtype)``; see the module docstring."""
     from_input = {_signature(n) for n in original.graph.node} if original is not None else set()
     result = Conformance()
-    ops = record.ops(dtype)
     for node in model.graph.node:
         signature = _signature(node)
         if signature is None:
             continue
-        flags = signature[2]
-        result.needed.update(flags)
-        missing = [f for f in flags if not flag_allowed(record, dtype, f)]
-        if not record.vendor_ops and signature[0]:
-            missing.append("vendor_ops")
-        if (
-            ops.gqa is not None
-            and node.op_type == "GroupQueryAttention"
-            and ops.gqa.requires_rotary_caches
-            and not _present(node, 7)
-        ):
-            missing.append("gqa.requires_rotary_caches (cos/sin absent)")
+        result.needed.update(signature[2])
+        missing = missing_flags(node, record, dtype)
         if not missing:
             continue
         line = f"{node.name or node.op_type}: {signature[0] or 'ai.onnx'}::{node.op_type} needs {missing}"

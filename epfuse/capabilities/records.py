@@ -1,7 +1,8 @@
 """Capability records: frozen data saying what one execution provider runs, per dtype.
 
-A record says what epfuse may *emit* for an EP. Ops the input model already contains are
-never removed merely because a record omits them: the model's author chose them.
+A record says what an optimized model for the EP may contain. Ops of the input the record
+omits are legalized (``epfuse.patterns.legalize``: mapped to an op the record has, or expanded
+to primitives); the output never holds a node the record does not take.
 """
 
 from __future__ import annotations

@@ -53,6 +53,7 @@ def optimize_with_report(
     verify: bool = False,
     skip_layers: Iterable[int] = (),
     probe: bool = False,
+    require_fusion: bool = False,
 ):
     """Optimize and return ``(optimized_model, report)``.
 
@@ -70,6 +71,14 @@ def optimize_with_report(
     again. If that still fails, all lowerings are rolled back; if even that fails (a broken
     canonicalization), :class:`epfuse.errors.VerificationError` is raised. The returned model
     always passed verification.
+
+    An EP that can fuse no layer still gets a model: everything it can take (norm fusions,
+    caches, cleanup), every layer it cannot fuse in a form its record takes (standard ops or
+    primitives), and per layer the reason in the report. ``require_fusion=True`` instead
+    raises :class:`epfuse.errors.UnsupportedModelError` when any attention layer is not fused.
+    A model with no attention at all raises it in any case. A node that no legalization can
+    make something the EP's record takes makes the run raise it too: the output always
+    conforms to the record (``epfuse.capabilities.conformance``).
 
     ``probe=True`` checks the EP's record against the installed ONNX Runtime first
     (``epfuse.capabilities.probe``: schemas, and known-answer runs for an EP present in this
@@ -108,6 +117,12 @@ def optimize_with_report(
             raise UnsupportedModelError(
                 f"no attention found in the model (nothing to optimize){detail}"
             )
+        if report.violations:
+            more = len(report.violations) - 1
+            extra = f" (and {more} more)" if more else ""
+            raise UnsupportedModelError(
+                f"cannot make the model fit {record.name} ({dtype}): {report.violations[0]}{extra}"
+            )
         report.assumptions.extend(probe_notes)
         if validate_output:
             note = validate(work)
@@ -118,8 +133,27 @@ def optimize_with_report(
     work, report = run(skip_layers, reuse_source=True)
     if original is not None:
         work, report = _verified(original, work, report, run, skip_layers)
+    if require_fusion:
+        _require_fusion(report)
     work.metadata_props[METADATA_KEY] = report.to_json()
     return (ir.to_proto(work) if as_proto else work), report
+
+
+def _require_fusion(report: Report) -> None:
+    """Strict mode: every attention layer fused (an input GQA the EP takes counts as fused)."""
+    unfused = [
+        layer
+        for layer in report.layers
+        if not layer.fused and layer.result != "GroupQueryAttention (input)"
+    ]
+    if not unfused:
+        return
+    first = unfused[0]
+    why = (first.reasons or ["no reason recorded"])[0]
+    raise UnsupportedModelError(
+        f"require_fusion: {len(unfused)} of {len(report.layers)} attention layers not fused "
+        f"for {report.ep} ({report.dtype}); layer {first.layer}: {why}"
+    )
 
 
 def _verified(original: onnx.ModelProto, work: ir.Model, report: Report, run, skip_layers):

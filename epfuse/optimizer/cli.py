@@ -79,6 +79,11 @@ def _parser() -> argparse.ArgumentParser:
         help="compare with the original on ORT CPU; roll back layers whose rewrite fails",
     )
     opt.add_argument(
+        "--require-fusion",
+        action="store_true",
+        help="fail (exit 1) unless every attention layer is fused for the EP",
+    )
+    opt.add_argument(
         "--genai",
         action="store_true",
         help="write an onnxruntime-genai folder (OUT/model.onnx + genai_config.json)",
@@ -131,7 +136,11 @@ def _optimize(args: argparse.Namespace) -> int:
     if args.max_seq_len < 1:
         raise EpfuseError("--max-seq-len must be positive")
     model, report = optimize_with_report(
-        source, record, max_seq_len=args.max_seq_len, verify=args.verify
+        source,
+        record,
+        max_seq_len=args.max_seq_len,
+        verify=args.verify,
+        require_fusion=args.require_fusion,
     )
     save_model(model, output)
     if args.report:
@@ -160,7 +169,11 @@ def _optimize_genai(args: argparse.Namespace, record, source: Path) -> int:
     if args.max_seq_len < 1:
         raise EpfuseError("--max-seq-len must be positive")
     model, report = optimize_with_report(
-        source, record, max_seq_len=args.max_seq_len, verify=args.verify
+        source,
+        record,
+        max_seq_len=args.max_seq_len,
+        verify=args.verify,
+        require_fusion=args.require_fusion,
     )
     package = write_genai_package(model, report, outdir, hf_config_dir=args.hf_config, ep=record)
     if args.report:

@@ -22,6 +22,7 @@ import onnx_ir.passes.common as common_passes
 from epfuse.capabilities import EPCapabilities
 from epfuse.patterns import RULES, Kept, OptimizeOptions, RewriteContext, Rewritten, Rule, Stage
 from epfuse.patterns.base import LAYER_KEY
+from epfuse.patterns.legalize._common import missing
 
 from .report import LayerReport, Report, RuleReport
 
@@ -63,18 +64,9 @@ class PassManager:
             rule.name: RuleReport(rule.name, rule.stage.value, selected=True) for rule in self.rules
         }
 
-        canonical = []
-        for rule in self.rules:
-            if rule.stage is not Stage.CANONICALIZE:
-                continue
-            # Canonicalize rules that emit newer standard ops ask whether the EP runs them
-            # (or what they are lowered to); the others never object.
-            reason = rule.requires(ctx.ops, ep)
-            if reason is None:
-                canonical.append(rule)
-            else:
-                rule_reports[rule.name].selected = False
-                rule_reports[rule.name].not_selected_because = reason
+        # Canonicalize lifts to the standard form whatever the EP: its rules are never
+        # selected by capability (what the EP cannot take is the LEGALIZE stage's job).
+        canonical = [rule for rule in self.rules if rule.stage is Stage.CANONICALIZE]
         canonical_kept = self._sweep(ctx, canonical, rule_reports, {})
         layers = self._label_layers(graph)
         report.layers = layers
@@ -100,9 +92,9 @@ class PassManager:
         for index in sorted(options.skip_layers):
             if index in by_layer:
                 by_layer[index].reasons.append(SKIPPED_REASON)
-        for stage in (Stage.LOWER, Stage.FINALIZE):
+        for stage in (Stage.LOWER, Stage.FINALIZE, Stage.LEGALIZE):
             self._sweep(ctx, [r for r in selected if r.stage is stage], rule_reports, by_layer)
-        _note_unrunnable_attention(graph, ctx, by_layer)
+        report.violations = _violations(graph, ctx, by_layer)
 
         self._cleanup(model)
         report.rules = list(rule_reports.values())
@@ -148,7 +140,7 @@ class PassManager:
                     layer = layers.get(_layer_of(node))
                     if layer is not None and outcome.layer_result:
                         layer.result = outcome.layer_result
-                        layer.fused = True
+                        layer.fused = outcome.fused
                         if outcome.note:
                             layer.notes.append(outcome.note)
                     break
@@ -187,34 +179,24 @@ class PassManager:
             cleanup(model)
 
 
-def _note_unrunnable_attention(graph: ir.Graph, ctx: RewriteContext, layers) -> None:
-    """Say so when a kept standard ``Attention`` is not something the EP runs.
+def _violations(graph: ir.Graph, ctx: RewriteContext, layers) -> list[str]:
+    """Nodes the EP's record does not take, after legalization (always a reason to refuse).
 
-    A layer GQA cannot express stays exactly as it was (same op, same mask, same softcap):
-    dropping a feature to fit the EP would be a wrong graph. If the record has no ``Attention``
-    for the dtype, or its ``Attention`` lacks softcap, the layer will not run on that EP as
-    is (ORT falls back to another EP or rejects the model), and the report must say that.
+    Legalization maps every node the record does not take to one it does or to primitives;
+    one it could not (no exact rewrite) is listed here, its layer marked ``runs_on_ep=False``,
+    and the API refuses the model with the first of these lines.
     """
-    ops = ctx.ops
+    found = []
     for node in graph:
-        if (node.domain, node.op_type) != ("", "Attention"):
+        flags = missing(node, ctx)
+        if not flags:
             continue
         layer = layers.get(_layer_of(node))
-        if layer is None:
-            continue
-        softcap = node.attributes.get("softcap")
-        softcap = float(softcap.value) if softcap is not None else 0.0
-        if not ops.attention:
-            why = f"{ctx.ep.name} has no ONNX Attention for {ctx.dtype}"
-        elif softcap and not ops.attention_softcap:
-            why = f"{ctx.ep.name}'s Attention does not apply softcap {softcap:g}"
-        else:
-            continue
-        layer.reasons.append(
-            f"not runnable on {ctx.ep.name} as is: {why}, and nothing it runs expresses this "
-            "layer exactly; the standard Attention is kept unchanged (never dropped)"
-        )
-        layer.runs_on_ep = False
+        if layer is not None:
+            layer.runs_on_ep = False
+        domain = node.domain or "ai.onnx"
+        found.append(f"{node.name or node.op_type} ({domain}::{node.op_type}) needs {flags}")
+    return found
 
 
 def _infer_types(model: ir.Model) -> None:

@@ -48,6 +48,8 @@ class Report:
     nodes_after: int = 0
     ops_after: dict[str, int] = dataclasses.field(default_factory=dict)
     seconds: float = 0.0
+    violations: list[str] = dataclasses.field(default_factory=list)
+    """Nodes the EP's record does not take after legalization (a model with any is refused)."""
     verification: str | None = None
     """With ``optimize(verify=True)``: the verdict against the original, and what was rolled
     back (None when not verified)."""

@@ -1,5 +1,6 @@
-"""Rewrite rules, in two layers: ``canonicalize`` (exporter idioms -> standard ONNX) and
-``lower`` (standard ONNX -> what the chosen EP runs best). ``RULES`` lists them in order."""
+"""Rewrite rules, in three layers: ``canonicalize`` (exporter idioms -> standard ONNX),
+``lower`` (standard ONNX -> what the chosen EP runs best) and ``legalize`` (whatever the EP's
+record still does not take -> an op it does, or primitives). ``RULES`` lists them in order."""
 
 from .base import Kept, OptimizeOptions, RewriteContext, Rewritten, Rule, Stage
 from .canonicalize.kv_cache import KVConcatToAttentionPast
@@ -9,6 +10,7 @@ from .canonicalize.rms_norm import DecomposedRMSNormToRMSNormalization
 from .canonicalize.rope_caches import RopeCosSinToCaches
 from .canonicalize.rotate_half import RotateHalfToRotaryEmbedding
 from .canonicalize.sdpa import DecomposedAttentionToAttention
+from .legalize.expand import ExpandAttention, ExpandRMSNormalization, ExpandRotaryEmbedding
 from .lower.gqa import AttentionToGQA
 from .lower.mrope import MRopeLowering
 from .lower.ms_rotary import OnnxRotaryToContrib
@@ -38,6 +40,9 @@ RULES: tuple[Rule, ...] = (
     RMSNormToSimplified(),
     SimplifiedToRMSNorm(),
     OnnxRotaryToContrib(),
+    ExpandAttention(),
+    ExpandRotaryEmbedding(),
+    ExpandRMSNormalization(),
 )
 
 __all__ = [

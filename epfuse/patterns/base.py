@@ -31,6 +31,9 @@ class Stage(enum.Enum):
     FINALIZE = "finalize"
     """Lowering that must see the attention decisions first (e.g. splitting RoPE out for an
     EP without fused rotary only once GQA has decided not to take it)."""
+    LEGALIZE = "legalize"
+    """After lowering: every node the EP's record does not take becomes one it does, or its
+    primitive expansion (``epfuse.patterns.legalize``)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +46,9 @@ class Rewritten:
     note: str = ""
     layer_result: str | None = None
     """For attention rules: what the layer became (e.g. ``GroupQueryAttention(do_rotary=1)``)."""
+    fused: bool = True
+    """With ``layer_result``: whether the layer now counts as fused (legalizing a layer into
+    standard or primitive ops does not)."""
 
 
 Outcome = Kept | Rewritten | None

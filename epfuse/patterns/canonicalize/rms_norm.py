@@ -52,11 +52,6 @@ class DecomposedRMSNormToRMSNormalization(Rule):
     anchor = ("", "ReduceMean")
     description = "Pow/ReduceMean/Add/Sqrt/Reciprocal/Mul RMSNorm -> RMSNormalization"
 
-    def requires(self, ops, ep):
-        if not ops.rms_normalization:
-            return f"{ep.name} has no ONNX RMSNormalization for this dtype"
-        return None
-
     def apply(self, node: ir.Node, ctx: RewriteContext):
         chain: list[ir.Node] = [node]
         square = node.inputs[0].producer() if node.inputs[0] is not None else None

@@ -460,21 +460,11 @@ class RotateHalfToRotaryEmbedding(Rule):
     anchor = ("", "Add")
     description = "x*cos + rotate_half(x)*sin -> ONNX RotaryEmbedding (opset 23)"
 
-    def requires(self, ops, ep):
-        gqa = ops.gqa
-        fused = gqa is not None and gqa.fused_rotary and gqa.rotary_position_ids
-        if not (ops.rotary_embedding or fused):
-            return f"{ep.name} has no ONNX RotaryEmbedding (nor GQA fused rotary) for this dtype"
-        return None
-
     def apply(self, node: ir.Node, ctx: RewriteContext):
         matched = self._match(node)
         if matched is None:
             return None
         x, cos_full, sin_full, chain, interleaved = matched
-        reason = self.requires(ctx.ops, ctx.ep)
-        if reason:  # the pass manager does not select the rule then; direct callers ask here
-            return Kept(reason)
         width = _static_last(x)
         for c in (cos_full, sin_full):
             d = _static_last(c)

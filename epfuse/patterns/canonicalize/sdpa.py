@@ -190,11 +190,6 @@ class DecomposedAttentionToAttention(Rule):
     anchor = ("", "Softmax")
     description = "MatMul/scale/mask/Softmax/MatMul attention -> ONNX Attention (opset 23)"
 
-    def requires(self, ops, ep):
-        if not (ops.attention or ops.gqa is not None):
-            return f"{ep.name} runs neither ONNX Attention nor GroupQueryAttention"
-        return None
-
     def apply(self, node: ir.Node, ctx: RewriteContext):
         m = _Match()
         m.chain.append(node)
@@ -234,9 +229,6 @@ class DecomposedAttentionToAttention(Rule):
         reason = self._check(node, q, k, v, m, guarded)
         if reason:
             return Kept(reason)
-        gqa = ctx.ops.gqa
-        if m.softcap and not (ctx.ops.attention_softcap or (gqa is not None and gqa.softcap)):
-            return Kept(f"{ctx.ep.name} applies a softcap in neither Attention nor GQA")
         heads = [_head_count(x) for x in (q, k, v)]
         reason = require_default_opset(ctx.model, 23, ctx.cache)
         if reason:

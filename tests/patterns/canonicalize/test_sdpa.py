@@ -16,6 +16,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 import epfuse
 from epfuse.capabilities import get_ep
+from epfuse.capabilities.conformance import check
 from epfuse.optimizer.manager import _infer_types
 from epfuse.optimizer.tolerances import tolerance_for
 from epfuse.optimizer.verify import assert_equivalent
@@ -203,11 +204,13 @@ def test_refuses_without_proof(name):
     assert proto.opset_import[0].version == 18  # nothing changed, not even the opset
 
 
-def test_softcap_kept_where_the_ep_cannot_apply_it():
-    """TensorRT-RTX: neither its Attention nor its GQA takes a softcap."""
+def test_softcap_lifted_whatever_the_ep():
+    """TensorRT-RTX takes a softcap in neither its Attention nor its GQA; the lift does not
+    ask (canonical form is EP-independent): legalization expands it later if need be."""
     fused, outcome = _apply(_graph(Variant(softcap=4.0)), "float16", ep="trt-rtx")
-    assert isinstance(outcome, Kept) and "softcap" in outcome.reason
-    assert not any(n.op_type == "Attention" for n in fused.graph)
+    assert isinstance(outcome, Rewritten)
+    attention = [n for n in fused.graph if n.op_type == "Attention"]
+    assert len(attention) == 1 and attention[0].attributes["softcap"].value == 4.0
 
 
 def test_wrong_transpose_is_not_attention():
@@ -281,25 +284,32 @@ def test_builder_decoder_default_ep_is_standard_onnx(dtype):
     assert_equivalent(original, optimized)
 
 
-def test_ep_without_rope_or_norm_ops_keeps_them_decomposed():
-    """DML has GQA but neither RotaryEmbedding nor RMSNormalization: the attention is lifted
-    and lowered (rotation outside, do_rotary=0); RoPE and norms stay as they were."""
+def test_dml_gets_the_lifted_graph():
+    """DML has GQA and the contrib RotaryEmbedding / SimplifiedLayerNormalization but no ONNX
+    RotaryEmbedding or RMSNormalization: the opset-18 export is lifted all the same, then
+    lowered and legalized: no Neg/ReduceMean left, four contrib RoPEs (2 layers x Q, K)."""
     original = build_decoder(DecoderConfig(style="torch18"))
-    optimized, report = epfuse.optimize_with_report(original, "dml")
-    rules = {r.name: r for r in report.rules}
-    assert not rules["rotate-half-to-rotary-embedding"].selected
-    assert not rules["decomposed-rmsnorm-to-rmsnormalization"].selected
-    assert (
-        "RMSNormalization" in rules["decomposed-rmsnorm-to-rmsnormalization"].not_selected_because
-    )
-    assert [layer.result for layer in report.layers] == ["GroupQueryAttention(do_rotary=0)"] * 2
-    ops = {n.op_type for n in optimized.graph.node}
-    assert {"Neg", "Pow", "Cos"} <= ops and not {"Softmax", "RotaryEmbedding"} & ops
-    assert_equivalent(original, optimized)
+    for ep in ("dml", "webgpu"):
+        optimized, report = epfuse.optimize_with_report(original, ep)
+        assert [layer.result for layer in report.layers] == ["GroupQueryAttention(do_rotary=0)"] * 2
+        ops = [f"{n.domain}::{n.op_type}" for n in optimized.graph.node]
+        assert not {"::Neg", "::ReduceMean", "::Pow", "::Softmax"} & set(ops)
+        assert ops.count("com.microsoft::RotaryEmbedding") == 4
+        assert not check(optimized, epfuse.get_ep(ep), "float32").violations
+        assert_equivalent(original, optimized)
 
 
-def test_unlifted_attention_is_explained():
-    """When no layer can be lifted, the error says why (there is no Attention op to report)."""
+def test_ep_that_fuses_nothing_still_gets_a_model():
+    """TensorRT-RTX fp16 cannot express a softcap layer: the model comes back with the layer
+    expanded to primitives (runnable there), every layer's reason in the report; strict mode
+    refuses it."""
     original = build_decoder(DecoderConfig(style="torch18", dtype="float16", softcap=5.0))
-    with pytest.raises(epfuse.UnsupportedModelError, match="softcap in neither"):
-        epfuse.optimize(original, "trt-rtx")
+    optimized, report = epfuse.optimize_with_report(original, "trt-rtx")
+    assert report.fused_layers == 0 and len(report.layers) == 2
+    for layer in report.layers:
+        assert layer.result == "Attention expanded to primitive ops" and layer.runs_on_ep
+        assert any("softcap" in r for r in layer.reasons), layer.reasons
+    assert not check(optimized, epfuse.get_ep("trt-rtx"), "float16").violations
+    assert_equivalent(original, optimized)
+    with pytest.raises(epfuse.UnsupportedModelError, match="require_fusion: 2 of 2"):
+        epfuse.optimize(original, "trt-rtx", require_fusion=True)

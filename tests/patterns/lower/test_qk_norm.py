@@ -74,7 +74,11 @@ def test_norm_stays_ahead_of_gqa_elsewhere(ep, dtype):
         and "_norm.weight" in n.input[1]
         and "self_attn" in n.input[1]
     ]
-    assert len(head_norms) == 2 * cfg.layers
+    if epfuse.get_ep(ep).ops(dtype).rms_normalization or ep in ("dml", "webgpu"):
+        assert len(head_norms) == 2 * cfg.layers
+    else:  # no norm op in the record: the norms are expanded, still ahead of GQA
+        assert not head_norms
+        assert sum(n.op_type == "ReduceMean" for n in optimized.graph.node) == 5 + 2 * cfg.layers
     assert_equivalent(original, optimized)
 
 

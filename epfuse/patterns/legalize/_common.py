@@ -1,0 +1,21 @@
+"""What the EP's record lacks for one onnx_ir node (via ``conformance.missing_flags``)."""
+
+from __future__ import annotations
+
+import onnx_ir as ir
+
+from epfuse.capabilities.conformance import missing_flags
+
+from ..base import RewriteContext
+
+
+def missing(node: ir.Node, ctx: RewriteContext) -> list[str]:
+    """Record flags ``node`` needs and the EP lacks for the run's dtype ([] if it conforms)."""
+    proto = ir.serde.serialize_node(node)
+    del proto.input[:]
+    proto.input.extend(f"in{i}" if v is not None else "" for i, v in enumerate(node.inputs))
+    return missing_flags(proto, ctx.ep, ctx.dtype)
+
+
+def why(node: ir.Node, ctx: RewriteContext, flags: list[str]) -> str:
+    return f"{ctx.ep.name} does not take {node.op_type} for {ctx.dtype} (needs {', '.join(flags)})"
