@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 import numpy as np
 import onnxruntime as ort
-from onnx import TensorProto, helper
+from onnx import helper
 
 from epfuse.optimizer.tolerances import tolerance_for
 
@@ -172,7 +172,6 @@ def schema_mismatches(flag: str, dtype: str) -> list[str]:
 
 _B, _S, _N, _KV, _H, _M = 1, 5, 2, 1, 16, 16
 _NP = {"float32": np.float32, "float16": np.float16}
-_ONNX = {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16}
 
 
 def _run(

@@ -13,6 +13,7 @@ caller (``epfuse.optimizer.api``), which never returns a model that fails it.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import defaultdict
 
@@ -59,7 +60,9 @@ class PassManager:
         report = Report(ep=ep.name, dtype=dtype, options=report_options)
         report.nodes_before = len(graph)
         ctx = RewriteContext(model=model, ep=ep, dtype=dtype, options=options)
-        _infer_types(model)
+        inference_failure = _infer_types(model)
+        if inference_failure:
+            report.warnings.append(inference_failure)
         rule_reports = {
             rule.name: RuleReport(rule.name, rule.stage.value, selected=True) for rule in self.rules
         }
@@ -67,7 +70,7 @@ class PassManager:
         # Canonicalize lifts to the standard form whatever the EP: its rules are never
         # selected by capability (what the EP cannot take is the LEGALIZE stage's job).
         canonical = [rule for rule in self.rules if rule.stage is Stage.CANONICALIZE]
-        canonical_kept = self._sweep(ctx, canonical, rule_reports, {})
+        canonical_kept = self._sweep(ctx, canonical, rule_reports, {}, report)
         layers = self._label_layers(graph)
         report.layers = layers
         for node, reason in canonical_kept:
@@ -93,12 +96,13 @@ class PassManager:
             if index in by_layer:
                 by_layer[index].reasons.append(SKIPPED_REASON)
         for stage in (Stage.LOWER, Stage.FINALIZE, Stage.LEGALIZE):
-            self._sweep(ctx, [r for r in selected if r.stage is stage], rule_reports, by_layer)
+            stage_rules = [r for r in selected if r.stage is stage]
+            self._sweep(ctx, stage_rules, rule_reports, by_layer, report)
         report.violations = _violations(graph, ctx, by_layer)
 
         self._cleanup(model)
         report.rules = list(rule_reports.values())
-        report.assumptions = _assumptions(graph, ep, options)
+        report.assumptions = _assumptions(graph, ep, dtype, options)
         report.nodes_after = len(graph)
         counts: dict[str, int] = defaultdict(int)
         for node in graph:
@@ -110,9 +114,14 @@ class PassManager:
     # ------------------------------------------------------------------ driver
 
     def _sweep(
-        self, ctx, rules, rule_reports, layers: dict[int, LayerReport]
+        self, ctx, rules, rule_reports, layers: dict[int, LayerReport], report: Report
     ) -> list[tuple[ir.Node, str]]:
-        """Sweep to a fixed point; return the (node, reason) of rules that kept a node."""
+        """Sweep to a fixed point; return the (node, reason) of rules that kept a node.
+
+        A stage still changing the graph after ``MAX_SWEEPS`` sweeps (two rules undoing each
+        other, or a rule rewriting its own output) stops there: the graph is still valid (each
+        rewrite is), but the report says so rather than returning as if converged.
+        """
         by_anchor: dict[tuple[str, str], list[Rule]] = defaultdict(list)
         for rule in rules:
             by_anchor[rule.anchor].append(rule)
@@ -153,6 +162,11 @@ class PassManager:
                     if layer is not None and node.graph is graph:
                         layer.reasons.append(reason)
                 return list(kept_now.values())
+        stage = rules[0].stage.value
+        report.warnings.append(
+            f"{stage} reached no fixed point after {MAX_SWEEPS} sweeps (rules still rewriting: "
+            f"{', '.join(sorted({r.name for r in rules if rule_reports[r.name].rewritten}))})"
+        )
         return []
 
     @staticmethod
@@ -199,15 +213,41 @@ def _violations(graph: ir.Graph, ctx: RewriteContext, layers) -> list[str]:
     return found
 
 
-def _infer_types(model: ir.Model) -> None:
+def _infer_types(model: ir.Model) -> str | None:
     """Fill in value types (and shapes where ONNX can) so rules can check dtypes.
 
-    Best effort: a model ONNX's inference rejects is still optimized, with fewer facts known.
+    Best effort: a model ONNX's inference rejects is still optimized, with fewer facts known;
+    the returned line (for the report's warnings) says why. onnx-ir's pass catches the error
+    itself and logs it with a traceback; the log is captured here instead of reaching the
+    user's terminal (the report carries the one line that matters).
     """
+    captured: list[logging.LogRecord] = []
+
+    class _Capture(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            captured.append(record)
+
+    log = logging.getLogger(common_passes.ShapeInferencePass.__module__)
+    handler, propagate = _Capture(logging.WARNING), log.propagate
+    log.addHandler(handler)
+    log.propagate = False
     try:
         common_passes.ShapeInferencePass()(model)
-    except Exception:
-        return
+    except Exception as err:  # ONNX's inference raises many types; all mean "fewer facts"
+        captured.append(
+            logging.makeLogRecord({"msg": "failed", "exc_info": (type(err), err, None)})
+        )
+    finally:
+        log.removeHandler(handler)
+        log.propagate = propagate
+    failures = [r for r in captured if r.exc_info or "failed" in str(r.msg)]
+    if not failures:
+        return None  # only "value not found" notes: inference ran
+    record = failures[0]
+    cause = record.exc_info[1] if record.exc_info else None
+    text = str(cause) if cause is not None else record.getMessage()
+    first = text.strip().splitlines()[0] if text.strip() else "no message"
+    return f"ONNX shape inference failed ({first}); rules saw only the exported types"
 
 
 def _layer_of(node: ir.Node) -> int | None:
@@ -215,7 +255,9 @@ def _layer_of(node: ir.Node) -> int | None:
     return int(value) if value is not None else None
 
 
-def _assumptions(graph: ir.Graph, ep: EPCapabilities, options: OptimizeOptions) -> list[str]:
+def _assumptions(
+    graph: ir.Graph, ep: EPCapabilities, dtype: str, options: OptimizeOptions
+) -> list[str]:
     gqa = [n for n in graph if n.op_type == "GroupQueryAttention" and n.domain == "com.microsoft"]
     if not gqa:
         return []
@@ -235,6 +277,7 @@ def _assumptions(graph: ir.Graph, ep: EPCapabilities, options: OptimizeOptions) 
             if len(n.inputs) > 7 and n.inputs[7] is not None and n.inputs[7].shape is not None
         )
         notes.append(f"total sequence length <= {rows} (rows of the cos/sin caches)")
-    if ep.name == "cpu":
-        notes.append("on the CPU EP, chunked prefill (past > 0 and seq > 1) needs batch 1")
+    gqa_record = ep.ops(dtype).gqa
+    if gqa_record is not None and gqa_record.chunked_prefill_needs_batch1:
+        notes.append(f"on the {ep.name} EP, chunked prefill (past > 0 and seq > 1) needs batch 1")
     return notes

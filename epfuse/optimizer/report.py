@@ -49,6 +49,9 @@ class Report:
     ops_after: dict[str, int] = dataclasses.field(default_factory=dict)
     seconds: float = 0.0
     violations: list[str] = dataclasses.field(default_factory=list)
+    warnings: list[str] = dataclasses.field(default_factory=list)
+    """What the run could not do as designed but that did not make the model wrong (a stage
+    without a fixed point, shape inference that failed)."""
     """Nodes the EP's record does not take after legalization (a model with any is refused)."""
     verification: str | None = None
     """With ``optimize(verify=True)``: the verdict against the original, and what was rolled
@@ -93,6 +96,9 @@ class Report:
             lines.append(f"  {r.stage:<12} {r.name:<30} not selected: {r.not_selected_because}")
         if self.verification:
             lines += ["", f"verification: {self.verification}"]
+        if self.warnings:
+            lines += ["", "warnings:"]
+            lines += [f"  - {w}" for w in self.warnings]
         if self.assumptions:
             lines += ["", "the optimized model assumes:"]
             lines += [f"  - {a}" for a in self.assumptions]

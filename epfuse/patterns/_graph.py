@@ -69,11 +69,6 @@ def input_at(node: ir.Node, index: int) -> ir.Value | None:
     return node.inputs[index] if index < len(node.inputs) else None
 
 
-def only_used_by(value: ir.Value, nodes: Sequence[ir.Node]) -> bool:
-    allowed = {id(n) for n in nodes}
-    return not value.is_graph_output() and all(id(use.node) in allowed for use in value.uses())
-
-
 # ---------------------------------------------------------------- edits
 
 

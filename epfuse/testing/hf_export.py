@@ -377,31 +377,6 @@ def hf_reference(
     return out[0].float().numpy(), [t.float().numpy() for t in out[1:]]
 
 
-def hf_reference_logits(
-    config,
-    seed: int,
-    input_ids: np.ndarray,
-    attention_mask: np.ndarray,
-    position_ids: np.ndarray | None = None,
-    past: Sequence[np.ndarray] | None = None,
-    *,
-    initializer_range: float | None = None,
-    dtype: str = "float32",
-) -> np.ndarray:
-    """Logits only of :func:`hf_reference`."""
-    logits, _ = hf_reference(
-        config,
-        seed,
-        input_ids,
-        attention_mask,
-        position_ids,
-        past,
-        initializer_range=initializer_range,
-        dtype=dtype,
-    )
-    return logits
-
-
 def export_hf_mrope_decoder(
     config,
     path: str | Path,

@@ -64,8 +64,6 @@ from .._opset import require_default_opset
 from ..base import Kept, RewriteContext, Rewritten, Rule, Stage
 from .rope_caches import RopeCosSinToCaches, find_freqs, full_width_caches, table_caches
 
-_INT64_MAX = 2**63 - 1
-
 
 def _last_axis_slice(node: ir.Node | None, x: ir.Value, rank: int) -> tuple[int, int] | None:
     """(start, end) of ``Slice(x, start, end, axes=[-1])`` with unit step."""

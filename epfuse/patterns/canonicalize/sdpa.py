@@ -314,7 +314,6 @@ class DecomposedAttentionToAttention(Rule):
 
 
 _ELEMENTWISE = ("Add", "Sub", "Mul", "Div", "Neg", "Cast", "Identity", "Where")
-_LAST_AXIS = ((-1,), (3,))
 
 
 def _head_count(value: ir.Value, depth: int = 0, axis: int = 1) -> int | None:
