@@ -3,8 +3,12 @@
 Below opset 23 Hugging Face's RMSNorm exports as::
 
     xf = [Cast(x, float)]                              # half-precision exports
-    r  = Reciprocal(Sqrt(ReduceMean(Pow(xf, 2), [-1], keepdims=1) + eps))
+    r  = Reciprocal(Sqrt(ReduceMean(Pow(xf, 2), [-1], keepdims=1) + eps))  # or Div(1, Sqrt)
     n  = xf * r                                        # or Div(xf, Sqrt(...))
+
+(ReduceMean's axes are an input from opset 18, an attribute before; the TorchScript exporter
+behind Optimum writes ``torch.rsqrt`` as ``Div(1, Sqrt)`` and its opset-14..17 ReduceMean with
+the attribute, which the opset raise to 23 converts in place, see ``_opset``.)
     y  = w * [Cast(n, T)]
 
 ONNX ``RMSNormalization(x, w, axis=-1, epsilon=eps, stash_type=1)`` is defined (its function
@@ -84,7 +88,7 @@ class DecomposedRMSNormToRMSNormalization(Rule):
         scale_node = _only_consumer(sqrt.outputs[0])
         if scale_node is None:
             return None
-        if scale_node.op_type == "Reciprocal":
+        if scale_node.op_type == "Reciprocal" or _is_one_over(scale_node, sqrt.outputs[0]):
             chain.append(scale_node)
             normalize = _only_consumer(scale_node.outputs[0])
             if normalize is None or normalize.op_type != "Mul":
@@ -140,6 +144,16 @@ class DecomposedRMSNormToRMSNormalization(Rule):
         replace_value(old, y)
         remove_dead(ctx.graph, list(reversed(chain)) + ([upcast] if x is not xf else []))
         return Rewritten(f"RMSNorm eps {eps:g} -> RMSNormalization")
+
+
+def _is_one_over(node: ir.Node, value: ir.Value) -> bool:
+    """``Div(1, value)``: TorchScript's ``torch.rsqrt`` (Optimum exports), a Reciprocal."""
+    return (
+        node.op_type == "Div"
+        and len(node.inputs) == 2
+        and node.inputs[1] is value
+        and const_scalar(node.inputs[0]) == 1.0
+    )
 
 
 def _weight_reason(weight: ir.Value, x: ir.Value) -> str | None:

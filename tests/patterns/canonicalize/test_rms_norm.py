@@ -26,10 +26,11 @@ EPS = 1e-6
 class Variant:
     dtype: int = TensorProto.FLOAT
     casts: bool = False  # half precision: Cast to float32 and back around the normalization
-    inverse: str = "reciprocal"  # "reciprocal" (Mul by Reciprocal) | "div"
+    inverse: str = "reciprocal"  # "reciprocal" (Mul by Reciprocal) | "div" | "one_over" (Div(1, .)) | "two_over"
     square: str = "pow"  # "pow" | "mul" | "pow3"
     axes: tuple[int, ...] = (-1,)
     weight: str = "vector"  # "vector" | "one_plus" (Gemma's 1 + w) | "full" (per token)
+    opset: int = 18  # below 18 ReduceMean takes its axes as an attribute
 
 
 def _graph(v: Variant) -> onnx.ModelProto:
@@ -50,10 +51,16 @@ def _graph(v: Variant) -> onnx.ModelProto:
         sq = op("Mul", [x, x], "sq")
     else:
         sq = op("Pow", [x, const("p", 3.0 if v.square == "pow3" else 2.0)], "sq")
-    mean = op("ReduceMean", [sq, const("axes", list(v.axes), np.int64)], "mean", keepdims=1)
+    if v.opset >= 18:
+        mean = op("ReduceMean", [sq, const("axes", list(v.axes), np.int64)], "mean", keepdims=1)
+    else:
+        mean = op("ReduceMean", [sq], "mean", keepdims=1, axes=list(v.axes))
     std = op("Sqrt", [op("Add", [mean, const("eps", EPS)], "var")], "std")
     if v.inverse == "div":
         normed = op("Div", [x, std], "normed")
+    elif v.inverse in ("one_over", "two_over"):
+        numerator = const("num", 1.0 if v.inverse == "one_over" else 2.0)
+        normed = op("Mul", [x, op("Div", [numerator, std], "rstd")], "normed")
     else:
         normed = op("Mul", [x, op("Reciprocal", [std], "rstd")], "normed")
     if v.casts:
@@ -72,7 +79,8 @@ def _graph(v: Variant) -> onnx.ModelProto:
         [helper.make_tensor_value_info("y", v.dtype, [2, 3, D])],
         inits,
     )
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
+    opsets = [helper.make_opsetid("", v.opset)]
+    return helper.make_model(graph, opset_imports=opsets, ir_version=10)
 
 
 def _apply(model: onnx.ModelProto):
@@ -99,6 +107,13 @@ FUSED = {
     "fp32-gemma-one-plus": Variant(weight="one_plus"),
     "fp32-axis-2": Variant(axes=(2,)),
     "fp16-casts": Variant(dtype=TensorProto.FLOAT16, casts=True),
+    "fp32-one-over": Variant(inverse="one_over"),
+    "fp32-opset14-axes-attribute": Variant(opset=14),
+    "fp32-opset17-axes-attribute": Variant(opset=17, axes=(2,)),
+    # Optimum (TorchScript) at opset 14: x.to(float32) on float32, rsqrt as Div(1, Sqrt),
+    # .to(input_dtype) back, axes attribute.
+    "torchscript-opset14": Variant(opset=14, inverse="one_over", casts=True),
+    "fp16-opset14-casts": Variant(dtype=TensorProto.FLOAT16, casts=True, opset=14),
 }
 
 
@@ -116,6 +131,7 @@ def test_rewrites_and_computes_the_same(name):
     assert attrs["epsilon"] == pytest.approx(EPS)
     assert node.input[0] == "x"  # the Casts moved inside (stash_type=1)
     assert not {"Pow", "ReduceMean", "Sqrt", "Cast"} & {n.op_type for n in proto.graph.node}
+    assert fused.opset_imports[""] == 23
     np_dtype = helper.tensor_dtype_to_np_dtype(v.dtype)
     x = (3 * np.random.default_rng(0).standard_normal((2, 3, D))).astype(np_dtype)
     dtype = "float16" if v.dtype == TensorProto.FLOAT16 else "float32"
@@ -138,7 +154,15 @@ def test_per_token_weight_is_kept():
     assert fused.opset_imports[""] == 18
 
 
-@pytest.mark.parametrize("variant", [Variant(square="pow3"), Variant(axes=(1,))])
+@pytest.mark.parametrize(
+    "variant",
+    [
+        Variant(square="pow3"),
+        Variant(axes=(1,)),
+        Variant(axes=(1,), opset=14),
+        Variant(inverse="two_over"),
+    ],
+)
 def test_not_an_rms_norm(variant):
     fused, outcome = _apply(_graph(variant))
     assert outcome is None
