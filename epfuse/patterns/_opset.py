@@ -265,7 +265,12 @@ _CONVERT: tuple[tuple[str, int, Callable[[ir.Node], None], str], ...] = (
         for op in _REDUCE_AXES
     ),
     ("Split", 18, _split_num_outputs, "num_outputs is required when split is not given"),
-    ("RoiAlign", 16, _roi_align_mode, "the new coordinate_transformation_mode defaults to half_pixel"),
+    (
+        "RoiAlign",
+        16,
+        _roi_align_mode,
+        "the new coordinate_transformation_mode defaults to half_pixel",
+    ),
 )
 
 _REFUSE: tuple[tuple[str, int, str], ...] = (

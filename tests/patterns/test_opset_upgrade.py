@@ -8,6 +8,7 @@ same kernels run); and refusals leave the model untouched with a per-op reason.
 
 from __future__ import annotations
 
+import itertools
 from collections import defaultdict
 
 import numpy as np
@@ -44,7 +45,7 @@ def _revisions_to_classify() -> list[tuple[str, int]]:
     """(op, version) of every revision in opsets MIN_OPSET+1..23 of an op an older model can hold."""
     keys = []
     for op, schemas in HISTORY.items():
-        for previous, schema in zip(schemas, schemas[1:], strict=False):
+        for previous, schema in itertools.pairwise(schemas):
             if MIN_OPSET < schema.since_version <= TARGET and previous.since_version < TARGET:
                 keys.append((op, schema.since_version))
     return sorted(keys)
@@ -138,16 +139,19 @@ def _proto(nodes, inputs, outputs, opset: int) -> onnx.ModelProto:
         nodes,
         "g",
         [helper.make_tensor_value_info(n, t, s) for n, t, s in inputs],
-        [helper.make_tensor_value_info(*o) if len(o) == 3 else helper.make_tensor_value_info(*o, None) for o in outputs],
+        [
+            helper.make_tensor_value_info(*o)
+            if len(o) == 3
+            else helper.make_tensor_value_info(*o, None)
+            for o in outputs
+        ],
     )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=8)
     return onnx.shape_inference.infer_shapes(model, strict_mode=True)  # typed outputs
 
 
 def _run(proto: onnx.ModelProto, feeds: dict) -> list[np.ndarray]:
-    session = ort.InferenceSession(
-        proto.SerializeToString(), providers=["CPUExecutionProvider"]
-    )
+    session = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
     return session.run(None, feeds)
 
 
@@ -161,7 +165,11 @@ def _upgraded(proto: onnx.ModelProto, target: int = TARGET) -> onnx.ModelProto:
     return out
 
 
-REDUCE = sorted(op for (op, v), r in REVISIONS.items() if v == 18 and r.kind == "convert" and op.startswith("Reduce"))
+REDUCE = sorted(
+    op
+    for (op, v), r in REVISIONS.items()
+    if v == 18 and r.kind == "convert" and op.startswith("Reduce")
+)
 
 
 @pytest.mark.parametrize("opset", [14, 17])
@@ -201,7 +209,9 @@ def test_split_gets_num_outputs(opset, with_split):
 @pytest.mark.parametrize("opset", [14, 15])
 def test_roi_align_keeps_output_half_pixel(opset):
     """Converted for targets 16..21 (ORT has no RoiAlign-22 kernel, so 23 refuses it)."""
-    node = helper.make_node("RoiAlign", ["x", "rois", "idx"], ["y"], output_height=2, output_width=2)
+    node = helper.make_node(
+        "RoiAlign", ["x", "rois", "idx"], ["y"], output_height=2, output_width=2
+    )
     proto = _proto(
         [node],
         [("x", F, [1, 1, 6, 6]), ("rois", F, [2, 4]), ("idx", TensorProto.INT64, [2])],
@@ -215,7 +225,9 @@ def test_roi_align_keeps_output_half_pixel(opset):
     }
     assert "RoiAlign" in changed_ops(ir.serde.deserialize_model(proto), TARGET)
     upgraded = _upgraded(proto, 21)
-    modes = [a.s for a in upgraded.graph.node[0].attribute if a.name == "coordinate_transformation_mode"]
+    modes = [
+        a.s for a in upgraded.graph.node[0].attribute if a.name == "coordinate_transformation_mode"
+    ]
     assert modes == [b"output_half_pixel"]
     np.testing.assert_array_equal(_run(proto, feeds)[0], _run(upgraded, feeds)[0])
     # The default of opset 16 (half_pixel) would differ: the attribute is needed. And ORT
