@@ -16,7 +16,7 @@ from epfuse.errors import UnsupportedModelError, VerificationError
 from epfuse.patterns import OptimizeOptions
 
 from .io import load_model
-from .manager import SKIPPED_REASON, PassManager
+from .manager import SKIPPED_REASON, PassManager, RewriteFailure
 from .report import METADATA_KEY, Report
 from .validate import validate
 
@@ -107,10 +107,47 @@ def optimize_with_report(
         ir.external_data.load_to_model(source)
         original = ir.to_proto(source)
 
+    def fresh() -> ir.Model:
+        """A new copy of the input (the first run edits ``source`` in place)."""
+        if original is not None:
+            return ir.serde.deserialize_model(original)
+        if as_proto:
+            return ir.serde.deserialize_model(model)
+        if isinstance(model, ir.Model):
+            return ir.serde.deserialize_model(ir.to_proto(model))
+        return load_model(model)
+
+    # A rule whose rewrite fails on this model (raises, or makes the graph cyclic) leaves the
+    # graph half-edited: the run is redone from a fresh copy without that rule, which the
+    # report names. An unknown culprit (a cycle found after the stages) is looked for by
+    # rerunning with a cycle check after every rewrite.
+    disabled: dict[str, str] = {}
+
     def run(skip: Iterable[int], reuse_source: bool = False) -> tuple[ir.Model, Report]:
-        work = source if reuse_source else ir.serde.deserialize_model(original)
-        options = OptimizeOptions(max_seq_len=max_seq_len, skip_layers=frozenset(skip))
-        report = PassManager().run(work, record, dtype, options)
+        checked = False
+        work = source if reuse_source else fresh()
+        while True:
+            options = OptimizeOptions(
+                max_seq_len=max_seq_len,
+                skip_layers=frozenset(skip),
+                disabled_rules=dict(disabled),
+                check_rewrites=checked,
+            )
+            try:
+                report = PassManager().run(work, record, dtype, options)
+                break
+            except RewriteFailure as failure:
+                if failure.rule is None and not checked:
+                    checked = True
+                elif failure.rule is None or failure.rule in disabled:
+                    raise UnsupportedModelError(f"internal error: {failure}") from None
+                else:
+                    where = f" of {failure.node}" if failure.node else ""
+                    disabled[failure.rule] = (
+                        f"disabled: its rewrite{where} {failure.why} (an epfuse bug; "
+                        "the model was optimized again without it)"
+                    )
+            work = fresh()
         if not report.layers:
             why = [f"{r.name}: {reason}" for r in report.rules for reason in r.kept_reasons]
             detail = f" (kept: {'; '.join(why)})" if why else ""

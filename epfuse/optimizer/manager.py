@@ -28,6 +28,18 @@ from epfuse.patterns.legalize._common import missing
 from .report import LayerReport, Report, RuleReport
 
 MAX_SWEEPS = 8
+
+
+class RewriteFailure(Exception):
+    """A rule raised while rewriting, or the rewritten graph has a cycle: the graph may be
+    half-edited, so the run is void. ``rule`` is None when the culprit is not known (the
+    cycle was found after the stages); the API then reruns with ``check_rewrites``."""
+
+    def __init__(self, rule: str | None, node: str | None, why: str):
+        super().__init__(f"{rule or 'a rule'}: {why}" + (f" (at {node})" if node else ""))
+        self.rule, self.node, self.why = rule, node, why
+
+
 SKIPPED_REASON = "excluded by skip_layers: no lowering applied"
 
 
@@ -66,10 +78,16 @@ class PassManager:
         rule_reports = {
             rule.name: RuleReport(rule.name, rule.stage.value, selected=True) for rule in self.rules
         }
+        active = [rule for rule in self.rules if rule.name not in options.disabled_rules]
+        for name, why in options.disabled_rules.items():
+            if name in rule_reports:
+                rule_reports[name].selected = False
+                rule_reports[name].not_selected_because = why
+                report.warnings.append(f"{name} {why}")
 
         # Canonicalize lifts to the standard form whatever the EP: its rules are never
         # selected by capability (what the EP cannot take is the LEGALIZE stage's job).
-        canonical = [rule for rule in self.rules if rule.stage is Stage.CANONICALIZE]
+        canonical = [rule for rule in active if rule.stage is Stage.CANONICALIZE]
         canonical_kept = self._sweep(ctx, canonical, rule_reports, {}, report)
         layers = self._label_layers(graph)
         report.layers = layers
@@ -79,7 +97,7 @@ class PassManager:
                 layers[index].reasons.append(reason)
 
         selected = []
-        for rule in self.rules:
+        for rule in active:
             if rule.stage is Stage.CANONICALIZE:
                 continue
             reason = rule.requires(ctx.ops, ep)
@@ -100,6 +118,8 @@ class PassManager:
             self._sweep(ctx, stage_rules, rule_reports, by_layer, report)
         report.violations = _violations(graph, ctx, by_layer)
 
+        if has_cycle(graph):  # one linear check per run; the API finds the culprit
+            raise RewriteFailure(None, None, "a rewrite made the graph cyclic")
         self._cleanup(model)
         report.rules = list(rule_reports.values())
         report.assumptions = _assumptions(graph, ep, dtype, options)
@@ -137,7 +157,7 @@ class PassManager:
                 if ctx.options.skip_layers and ctx.skips(node):
                     continue  # a skipped layer's attention is offered to no rule
                 for rule in by_anchor.get((node.domain, node.op_type), ()):
-                    outcome = rule.apply(node, ctx)
+                    outcome = _apply(rule, node, ctx)
                     if outcome is None:
                         continue
                     if isinstance(outcome, Kept):
@@ -211,6 +231,43 @@ def _violations(graph: ir.Graph, ctx: RewriteContext, layers) -> list[str]:
         domain = node.domain or "ai.onnx"
         found.append(f"{node.name or node.op_type} ({domain}::{node.op_type}) needs {flags}")
     return found
+
+
+def _apply(rule: Rule, node: ir.Node, ctx: RewriteContext):
+    """``rule.apply``, turning a crash (or, when checking, a cycle) into a RewriteFailure."""
+    where = f"{node.op_type} {node.name}".strip()
+    try:
+        outcome = rule.apply(node, ctx)
+    except Exception as err:
+        lines = str(err).strip().splitlines()
+        why = f"raised {type(err).__name__}" + (f": {lines[0]}" if lines else "")
+        raise RewriteFailure(rule.name, where, why) from err
+    if isinstance(outcome, Rewritten) and ctx.options.check_rewrites and has_cycle(ctx.graph):
+        raise RewriteFailure(rule.name, where, "made the graph cyclic")
+    return outcome
+
+
+def has_cycle(graph: ir.Graph) -> bool:
+    """True when the nodes of ``graph`` (not its subgraphs) cannot be ordered (Kahn, linear)."""
+    nodes = list(graph)
+    index = {id(node): i for i, node in enumerate(nodes)}
+    waiting = [0] * len(nodes)
+    users: list[list[int]] = [[] for _ in nodes]
+    for i, node in enumerate(nodes):
+        for value in node.inputs:
+            source = value.producer() if value is not None else None
+            if source is not None and id(source) in index:
+                waiting[i] += 1
+                users[index[id(source)]].append(i)
+    ready = [i for i, n in enumerate(waiting) if n == 0]
+    done = 0
+    while ready:
+        done += 1
+        for j in users[ready.pop()]:
+            waiting[j] -= 1
+            if waiting[j] == 0:
+                ready.append(j)
+    return done != len(nodes)
 
 
 def _infer_types(model: ir.Model) -> str | None:

@@ -66,6 +66,12 @@ class OptimizeOptions:
     """Attention layers (report indices) that no lowering rule may touch; they keep their
     canonical standard form. Used by ``optimize(verify=True)`` to roll back layers whose
     rewrite fails verification."""
+    disabled_rules: dict[str, str] = dataclasses.field(default_factory=dict)
+    """Rules (by name) the pass manager runs not at all, with why: set by the API for a rule
+    whose rewrite failed (raised, or made the graph cyclic) on this model."""
+    check_rewrites: bool = False
+    """Check the graph for a cycle after every rewrite (quadratic: only used by the API to
+    find which rule broke a run, after a cheap whole-run check failed)."""
 
 
 @dataclasses.dataclass

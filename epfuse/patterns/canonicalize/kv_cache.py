@@ -5,13 +5,20 @@
 ONNX Attention defines ``present = Concat(past, new)`` on the sequence axis, so the concat
 outputs are replaced by the Attention's presents and keep their names (they are usually the
 model's ``present.*`` outputs).
+
+A ``Shape`` of the concatenated K/V (Phi's mask is sliced to ``key_states.shape[-2]``) may feed
+the Attention's own mask: reading it off the present would make the Attention depend on its
+own output (a cycle). It is computed from the parts instead, ``Shape(past) + Shape(new) *
+[0, 0, 1, 0]`` (the parts agree on every axis but the concatenated one), so the mask reads
+past and new only through ``Shape``, as before.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import onnx_ir as ir
 
-from .._graph import attr, input_at, producer, replace_value
+from .._graph import Builder, attr, input_at, producer, rank, replace_value
 from ..base import Kept, RewriteContext, Rewritten, Rule, Stage
 
 
@@ -46,6 +53,11 @@ class KVConcatToAttentionPast(Rule):
             out.uses() or out.is_graph_output() for out in node.outputs[1:]
         ):
             return Kept("Attention already has used present or qk outputs")
+        for past, new, present in (k_parts, v_parts):
+            if _shape_uses(present) and 4 not in (rank(past), rank(new)):
+                return Kept(
+                    "the shape of the concatenated KV cache is read and its rank is unknown"
+                )
         inputs = [node.inputs[0], new_k, new_v, input_at(node, 3), past_k, past_v]
         fused = ir.node(
             "Attention",
@@ -55,6 +67,8 @@ class KVConcatToAttentionPast(Rule):
             name=node.name,
             metadata_props=dict(node.metadata_props),
         )
+        for past, new, present in (k_parts, v_parts):
+            _shapes_from_parts(ctx.graph, past, new, present)
         ctx.graph.insert_before(node, fused)
         y, new_present_k, new_present_v = fused.outputs
         y.name, y.shape, y.type = node.outputs[0].name, node.outputs[0].shape, node.outputs[0].type
@@ -67,3 +81,32 @@ class KVConcatToAttentionPast(Rule):
             replace_value(old, new)
         ctx.graph.remove(node, safe=True)
         return Rewritten("KV concat moved into Attention past/present")
+
+
+def _shape_uses(value: ir.Value) -> list[ir.Node]:
+    return [
+        use.node for use in value.uses() if use.node.op_type == "Shape" and use.node.domain == ""
+    ]
+
+
+def _shapes_from_parts(graph: ir.Graph, past: ir.Value, new: ir.Value, present: ir.Value) -> None:
+    """Replace each ``Shape(present)`` by the shape computed from ``past`` and ``new``."""
+    shapes = _shape_uses(present)
+    if not shapes:
+        return
+    concat = present.producer()
+    assert concat is not None
+    b = Builder(graph, concat, f"{concat.name or 'kv'}/shape")
+    axis = b.const("seq_axis", np.array([0, 0, 1, 0], np.int64))
+    full = b.op("Add", [b.op("Shape", [past]), b.op("Mul", [b.op("Shape", [new]), axis])])
+    full.dtype, full.shape = ir.DataType.INT64, ir.Shape([4])
+    for shape in shapes:
+        start, end = attr(shape, "start"), attr(shape, "end")
+        out = full
+        if start is not None or end is not None:
+            starts = b.const("start", np.array([start or 0], np.int64))
+            ends = b.const("end", np.array([4 if end is None else end], np.int64))
+            out = b.op("Slice", [full, starts, ends])
+            out.dtype, out.shape = ir.DataType.INT64, shape.outputs[0].shape
+        replace_value(shape.outputs[0], out)
+        graph.remove(shape, safe=True)
