@@ -19,6 +19,14 @@ compared to the original export's on each scenario (a fast wrong model is not a 
     python benchmarks/inference.py            # full run, writes benchmarks/results/inference.json
     python benchmarks/inference.py --quick    # tiny model and shapes: checks the script works
     python benchmarks/inference.py --profile "decode past 2048"   # ORT per-op profile as well
+    python benchmarks/inference.py --precision int4   # the int4 table (inference-int4.json)
+
+``--precision int4`` compares int4-weight models made from the same fp32 weights: epfuse's
+``optimize(export, "cpu", precision="int4")``, the genai builder's ``-p int4 -e cpu``, and the
+unfused export quantized the same way (epfuse's ``quantize_int4``: onnxruntime's
+MatMulNBitsQuantizer, block 32, symmetric, accuracy level 4). Their logits are compared with
+the quantized opset-23 export's, with a looser bound (``INT4_LOGIT_ATOL``): int4 models of
+the same weights agree only as closely as their int8 activation rounding does.
 """
 
 from __future__ import annotations
@@ -44,6 +52,10 @@ SEED = 0
 THREADS = 2
 # fp32 logits of the same weights agree far closer than this; more means another function.
 LOGIT_ATOL = 1e-3
+# int4 models of the same weights and quantizer: identical int4 numbers, but MatMulNBits at
+# accuracy level 4 rounds activations to int8 per block, so ulp-level differences upstream
+# (fused vs unfused norms) can flip one rounding step. A wrong model is off by >> 1.
+INT4_LOGIT_ATOL = 0.25
 
 
 @dataclass(frozen=True)
@@ -125,13 +137,13 @@ def export_cached(config, opset: int, folder: Path) -> tuple[Path, float | None]
     return path, time.perf_counter() - start
 
 
-def optimize_to(src: Path, dst: Path) -> tuple[float, str]:
+def optimize_to(src: Path, dst: Path, precision: str = "auto") -> tuple[float, str]:
     """Optimize ``src`` for the CPU EP (always re-run: this is the code under test)."""
     import epfuse
     from epfuse.optimizer.io import save_model
 
     start = time.perf_counter()
-    model, report = epfuse.optimize_with_report(str(src), "cpu")
+    model, report = epfuse.optimize_with_report(str(src), "cpu", precision=precision)
     seconds = time.perf_counter() - start
     save_model(model, dst)
     fused = sum(1 for layer in report.layers if layer.fused)
@@ -140,6 +152,20 @@ def optimize_to(src: Path, dst: Path) -> tuple[float, str]:
     if reasons and fused < len(report.layers):
         note += f" (kept: {reasons[0][:120]})"
     return seconds, note
+
+
+def quantize_export(src: Path, dst: Path) -> tuple[float, str]:
+    """The unfused export with int4 weights: the same quantizer and options as epfuse's."""
+    from epfuse.optimizer.io import load_model, save_model
+    from epfuse.optimizer.precision import Int4Options
+    from epfuse.optimizer.precision.int4 import quantize_int4
+
+    start = time.perf_counter()
+    model = load_model(src)
+    summary = quantize_int4(model, Int4Options())
+    seconds = time.perf_counter() - start
+    save_model(model, dst)
+    return seconds, f"{summary.matmuls} MatMuls quantized, no fusion"
 
 
 def genai_available() -> bool:
@@ -178,8 +204,8 @@ def save_hf_model(config, folder: Path) -> Path:
     return hf_dir
 
 
-def build_genai(config, folder: Path) -> tuple[Path, float | None]:
-    out = folder / "genai-fp32-cpu"
+def build_genai(config, folder: Path, precision: str = "fp32") -> tuple[Path, float | None]:
+    out = folder / f"genai-{precision}-cpu"
     model = out / "model.onnx"
     if model.exists():
         return model, None
@@ -196,7 +222,7 @@ def build_genai(config, folder: Path) -> tuple[Path, float | None]:
         "-o",
         str(tmp),
         "-p",
-        "fp32",
+        precision,
         "-e",
         "cpu",
         "-c",
@@ -383,7 +409,16 @@ def main(argv: list[str] | None = None) -> int:
         help="also print ORT's per-op-type profile of every candidate for this scenario",
     )
     parser.add_argument("--opsets", default="18,23", help="comma-separated export opsets")
+    parser.add_argument(
+        "--precision",
+        choices=("fp32", "int4"),
+        default="fp32",
+        help="int4: compare int4-weight models (epfuse, genai builder, quantized export)",
+    )
     args = parser.parse_args(argv)
+    int4 = args.precision == "int4"
+    tag = "-int4" if int4 else ""
+    suffix = " int4" if int4 else ""
 
     quick = args.quick
     rounds = args.rounds or (3 if quick else 30)
@@ -392,7 +427,9 @@ def main(argv: list[str] | None = None) -> int:
     config = model_config(quick)
     folder = _common.cache_dir(args.cache) / f"inference-{config_key(config)}"
     folder.mkdir(parents=True, exist_ok=True)
-    out_path = args.out or _common.RESULTS / ("inference-quick.json" if quick else "inference.json")
+    out_path = args.out or _common.RESULTS / (
+        f"inference{tag}-quick.json" if quick else f"inference{tag}.json"
+    )
 
     print(f"# inference benchmark ({'quick' if quick else 'full'}); {_common.load_line()}")
     print(f"# cache: {folder}")
@@ -405,23 +442,28 @@ def main(argv: list[str] | None = None) -> int:
     originals: dict[int, str] = {}
     for opset in (int(x) for x in args.opsets.split(",")):
         path, export_s = export_cached(config, opset, folder)
-        name = f"export opset {opset}"
-        candidates.append(Candidate(name, path, export_s))
+        name = f"export opset {opset}{suffix}"
+        if int4:
+            quantized = folder / f"export-opset{opset}-int4.onnx"
+            q_s, q_note = quantize_export(path, quantized)
+            candidates.append(Candidate(name, quantized, q_s, q_note))
+        else:
+            candidates.append(Candidate(name, path, export_s))
         originals[opset] = name
-        opt_path = folder / f"epfuse-opset{opset}.onnx"
+        opt_path = folder / f"epfuse-opset{opset}{tag}.onnx"
         try:
-            opt_s, note = optimize_to(path, opt_path)
+            opt_s, note = optimize_to(path, opt_path, "int4" if int4 else "auto")
         except UnsupportedModelError as err:
-            skipped[f"epfuse opset {opset}"] = f"not optimized: {err}"
+            skipped[f"epfuse opset {opset}{suffix}"] = f"not optimized: {err}"
             print(f"  opset {opset}: epfuse did not optimize it: {err}")
             continue
-        candidates.append(Candidate(f"epfuse opset {opset}", opt_path, opt_s, note))
+        candidates.append(Candidate(f"epfuse opset {opset}{suffix}", opt_path, opt_s, note))
         print(f"  opset {opset}: optimized in {opt_s:.2f} s, {note}")
     genai_note = None
     if not args.no_genai and genai_available():
         try:
-            path, build_s = build_genai(config, folder)
-            candidates.append(Candidate("genai builder", path, build_s))
+            path, build_s = build_genai(config, folder, args.precision)
+            candidates.append(Candidate(f"genai builder{suffix}", path, build_s))
         except Exception as err:  # the builder is an optional comparison, never fatal
             genai_note = f"genai builder failed: {str(err)[:300]}"
             print("  " + genai_note)
@@ -477,14 +519,15 @@ def main(argv: list[str] | None = None) -> int:
     print(_common.table(headers, rows))
 
     ratio_specs: list[tuple[str, str, str]] = []
-    optimized = {opset: f"epfuse opset {opset}" for opset in originals}
+    optimized = {opset: f"epfuse opset {opset}{suffix}" for opset in originals}
     optimized = {k: v for k, v in optimized.items() if v in names}
     for opset, orig in originals.items():
         if opset in optimized:
             ratio_specs.append((f"opset {opset}: export / epfuse", orig, optimized[opset]))
-    if "genai builder" in names:
+    builder = f"genai builder{suffix}"
+    if builder in names:
         for opset, opt in optimized.items():
-            ratio_specs.append((f"opset {opset}: genai / epfuse", "genai builder", opt))
+            ratio_specs.append((f"opset {opset}: genai / epfuse", builder, opt))
     if 18 in originals and 23 in optimized:
         ratio_specs.append(("export opset 18 / epfuse opset 23", originals[18], optimized[23]))
     ratio_rows = []
@@ -512,9 +555,10 @@ def main(argv: list[str] | None = None) -> int:
             f"  {s.name}: "
             + ", ".join(f"{n} {by[(s.name, n)].max_abs_logit_diff:.1e}" for n in names)
         )
-        mismatched |= {n for n in names if by[(s.name, n)].max_abs_logit_diff > LOGIT_ATOL}
+        atol = INT4_LOGIT_ATOL if int4 else LOGIT_ATOL
+        mismatched |= {n for n in names if by[(s.name, n)].max_abs_logit_diff > atol}
     for name in sorted(mismatched):
-        print(f"  WARNING: {name} computes different logits (> {LOGIT_ATOL}): its time is moot")
+        print(f"  WARNING: {name} computes different logits (> {atol}): its time is moot")
     for cand in candidates:
         built = f"; built in {cand.build_seconds:.1f} s" if cand.build_seconds else ""
         print(
@@ -535,6 +579,7 @@ def main(argv: list[str] | None = None) -> int:
     payload = {
         "benchmark": "inference",
         "quick": quick,
+        "precision": args.precision,
         "environment": _common.environment(),
         "load_before": load_before,
         "load_after": load_after,

@@ -106,7 +106,7 @@ def check_equivalent(cfg: DecoderConfig, ep: str, cases: list[Scenario]) -> None
     example) hold the reproducible config and the optimization report.
     """
     original = build_decoder(cfg)
-    optimized, report = epfuse.optimize_with_report(original, ep)
+    optimized, report = epfuse.optimize_with_report(original, ep, precision=cfg.dtype)
     note(f"reproduce: build_decoder({cfg!r}), optimize for {ep!r}")
     note(report.summary())
     result = compare_models(original, optimized, scenarios=cases)

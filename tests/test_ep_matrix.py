@@ -103,7 +103,7 @@ def _runnable_on_cpu(optimized: onnx.ModelProto, report, dtype: str) -> bool:
 def test_matrix_cell(model: str, ep: str, dtype: str):
     cfg = MODELS[model]
     original = _original(model, dtype)
-    optimized, report = epfuse.optimize_with_report(original, ep)
+    optimized, report = epfuse.optimize_with_report(original, ep, precision=dtype)
     record = epfuse.get_ep(ep)
 
     # Strict: every node of the output is something the record takes, input ops included
@@ -193,7 +193,7 @@ def qwen3_export(tmp_path_factory) -> onnx.ModelProto:
 @pytest.mark.parametrize("ep", EPS)
 def test_real_qwen3_export_per_ep(qwen3_export, ep):
     """A real torch.onnx Qwen3 export (q/k norm on the head axis) through every EP at fp32."""
-    optimized, report = epfuse.optimize_with_report(qwen3_export, ep)
+    optimized, report = epfuse.optimize_with_report(qwen3_export, ep, precision="fp32")
     conformance = check(optimized, epfuse.get_ep(ep), "float32", original=qwen3_export)
     assert not conformance.violations, conformance.violations
     before, after = features(qwen3_export, 16), features(optimized, 16)

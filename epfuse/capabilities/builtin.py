@@ -27,6 +27,8 @@ _CPU = OpSupport(
     simplified_layer_norm=True,
     skip_simplified_layer_norm=True,
     skip_layer_norm=True,
+    matmul_nbits=True,
+    gather_block_quantized=True,
 )
 
 CPU = EPCapabilities(
@@ -40,6 +42,7 @@ CPU = EPCapabilities(
 _CUDA_GQA = GQASupport(qk_norm=True)
 _CUDA_HALF = OpSupport(
     gqa=_CUDA_GQA,
+    matmul_nbits=True,
     attention=True,
     attention_softcap=True,
     rotary_embedding=True,
@@ -68,6 +71,8 @@ CUDA = EPCapabilities(
         "bfloat16": _CUDA_HALF,
     },
     notes=("GroupQueryAttention runs fp16/bf16 only",),
+    preferred_dtype="float16",
+    preferred_because="its GroupQueryAttention runs fp16/bf16 only",
 )
 
 _DML_GQA = GQASupport(
@@ -80,6 +85,7 @@ _DML_GQA = GQASupport(
 )
 _DML = OpSupport(
     gqa=_DML_GQA,
+    matmul_nbits=True,
     ms_rotary_embedding=True,
     simplified_layer_norm=True,
     skip_simplified_layer_norm=True,
@@ -94,6 +100,9 @@ DML = EPCapabilities(
         "GQA without cos/sin inputs (no fused RoPE) and without packed QKV; causal only",
         "no ONNX Attention kernel",
     ),
+    preferred_dtype="float16",
+    preferred_because="GPU kernels run best in fp16 (half the memory traffic; the genai "
+    "builder's DML models are fp16)",
 )
 
 _WEBGPU_GQA = GQASupport(
@@ -105,6 +114,7 @@ _WEBGPU_GQA = GQASupport(
 )
 _WEBGPU = OpSupport(
     gqa=_WEBGPU_GQA,
+    matmul_nbits=True,
     ms_rotary_embedding=True,
     simplified_layer_norm=True,
     skip_simplified_layer_norm=True,
@@ -115,6 +125,8 @@ WEBGPU = EPCapabilities(
     description="WebGPU",
     dtypes={"float32": _WEBGPU, "float16": _WEBGPU},
     notes=("fused rotary takes positions from seqlens_k and ignores position_ids",),
+    preferred_dtype="float16",
+    preferred_because="GPU kernels run best in fp16 (half the memory traffic)",
 )
 
 _QNN_GQA = GQASupport(
@@ -146,6 +158,8 @@ TRT_RTX = EPCapabilities(
     description="NVIDIA TensorRT for RTX",
     dtypes={"float16": _TRT, "bfloat16": _TRT},
     notes=("rank-3 q/k/v, wants cos/sin present; its Attention has no softcap",),
+    preferred_dtype="float16",
+    preferred_because="it has no float32 record",
 )
 
 OPENVINO = EPCapabilities(

@@ -68,6 +68,8 @@ def required_flags(node: onnx.NodeProto) -> tuple[str, ...] | None:
         ("", "SimplifiedLayerNormalization"): "simplified_layer_norm",
         ("com.microsoft", "SkipSimplifiedLayerNormalization"): "skip_simplified_layer_norm",
         ("com.microsoft", "SkipLayerNormalization"): "skip_layer_norm",
+        ("com.microsoft", "MatMulNBits"): "matmul_nbits",
+        ("com.microsoft", "GatherBlockQuantized"): "gather_block_quantized",
     }
     if op in table:
         return (table[op],)

@@ -122,6 +122,14 @@ EMISSIONS: dict[str, tuple[Emission, ...]] = {
             attributes=("epsilon",),
         ),
     ),
+    "matmul_nbits": (
+        Emission(
+            "com.microsoft",
+            "MatMulNBits",
+            inputs=((0, "A"), (1, "B"), (2, "scales"), (3, "zero_points")),
+            attributes=("K", "N", "bits", "block_size", "accuracy_level"),
+        ),
+    ),
 }
 _TYPE_NAMES = {
     "float32": "tensor(float)",

@@ -54,6 +54,10 @@ class OpSupport:
     simplified_layer_norm: bool = False
     skip_simplified_layer_norm: bool = False
     skip_layer_norm: bool = False
+    matmul_nbits: bool = False
+    """``com.microsoft::MatMulNBits`` (int4 weight-only MatMul, ``precision="int4"``)."""
+    gather_block_quantized: bool = False
+    """``com.microsoft::GatherBlockQuantized`` (int4 embedding table)."""
 
     def supported(self) -> list[str]:
         names = []
@@ -79,8 +83,14 @@ class EPCapabilities:
     vendor_ops: bool = True
     """May epfuse emit ``com.microsoft`` ops at all."""
     notes: tuple[str, ...] = ()
+    preferred_dtype: str | None = None
+    """The dtype its attention runs best in; ``precision="auto"`` converts a float32 export to
+    it (None: keep the input's dtype)."""
+    preferred_because: str = ""
 
     def __post_init__(self) -> None:
+        if self.preferred_dtype is not None and self.preferred_dtype not in DTYPES:
+            raise ValueError(f"{self.name}: unknown preferred_dtype {self.preferred_dtype!r}")
         unknown = set(self.dtypes) - set(DTYPES)
         if unknown:
             raise ValueError(f"unknown dtype(s) {sorted(unknown)} in record {self.name!r}")
@@ -94,6 +104,8 @@ class EPCapabilities:
                     ops.skip_simplified_layer_norm,
                     ops.skip_layer_norm,
                     ops.simplified_layer_norm,
+                    ops.matmul_nbits,
+                    ops.gather_block_quantized,
                 )
                 if any(vendor):
                     raise ValueError(

@@ -17,6 +17,8 @@ from epfuse.patterns import OptimizeOptions
 
 from .io import load_model
 from .manager import SKIPPED_REASON, PassManager, RewriteFailure
+from .precision import Int4Options, PrecisionPlan
+from .precision import choose as choose_precision
 from .report import METADATA_KEY, Report
 from .validate import validate
 
@@ -54,8 +56,19 @@ def optimize_with_report(
     skip_layers: Iterable[int] = (),
     probe: bool = False,
     require_fusion: bool = False,
+    precision: str = "auto",
+    int4: Int4Options | None = None,
 ):
     """Optimize and return ``(optimized_model, report)``.
+
+    ``precision`` (``"auto"``, ``"fp32"``, ``"fp16"``, ``"bf16"``, ``"int4"``; see
+    :mod:`epfuse.optimizer.precision`): ``auto`` converts a float32 export to the dtype the
+    EP's record prefers (float16 for cuda, dml, webgpu, trt-rtx) and keeps it otherwise (cpu);
+    an explicit dtype wins; ``int4`` quantizes MatMul weights (``int4``:
+    :class:`~epfuse.optimizer.precision.Int4Options`, the genai builder's CPU defaults).
+    ``report.precision`` says what was chosen and why. With ``verify=True`` a converted or
+    quantized model is verified against the unfused model converted the same way, and its
+    drift from the float32 original is reported in ``report.precision["drift"]``.
 
     ``model`` may be a path, an ``onnx.ModelProto`` (a ModelProto is returned) or an
     ``onnx_ir.Model`` (an ``onnx_ir.Model`` is returned; the argument itself is not changed).
@@ -101,6 +114,13 @@ def optimize_with_report(
     else:
         source = load_model(model)
     dtype = model_dtype(source)
+    plan = choose_precision(precision, record, dtype, int4)
+    if verify and plan.compute_dtype == "bfloat16":
+        raise VerificationError(
+            "cannot verify a bfloat16 model on ORT CPU (it has no bfloat16 MatMul kernel); "
+            "optimize without verify: the output's structure is still checked against the "
+            "record (conformance)"
+        )
     original = None
     if verify:
         # ORT runs the comparison from bytes: external weights must be in memory.
@@ -134,7 +154,7 @@ def optimize_with_report(
                 check_rewrites=checked,
             )
             try:
-                report = PassManager().run(work, record, dtype, options)
+                report = PassManager().run(work, record, dtype, options, precision=plan)
                 break
             except RewriteFailure as failure:
                 if failure.rule is None and not checked:
@@ -158,7 +178,8 @@ def optimize_with_report(
             more = len(report.violations) - 1
             extra = f" (and {more} more)" if more else ""
             raise UnsupportedModelError(
-                f"cannot make the model fit {record.name} ({dtype}): {report.violations[0]}{extra}"
+                f"cannot make the model fit {record.name} ({report.dtype}): "
+                f"{report.violations[0]}{extra}"
             )
         report.assumptions.extend(probe_notes)
         if validate_output:
@@ -169,7 +190,15 @@ def optimize_with_report(
 
     work, report = run(skip_layers, reuse_source=True)
     if original is not None:
-        work, report = _verified(original, work, report, run, skip_layers)
+        reference, tolerance, strict = original, None, False
+        if plan.changes_numerics:
+            reference = _reference(original, record, dtype, plan, max_seq_len)
+            tolerance = _plan_tolerance(plan)
+            strict = plan.int4 is not None and plan.int4.accuracy_level == 4
+        work, report = _verified(reference, work, report, run, skip_layers, tolerance, strict)
+        if plan.changes_numerics:
+            report.verification += f"; reference: the unfused model at {plan.name}"
+            report.precision["drift"] = _drift(original, work, plan)
     if require_fusion:
         _require_fusion(report)
     work.metadata_props[METADATA_KEY] = report.to_json()
@@ -193,15 +222,78 @@ def _require_fusion(report: Report) -> None:
     )
 
 
-def _verified(original: onnx.ModelProto, work: ir.Model, report: Report, run, skip_layers):
-    """Verify ``work``; roll back the layers whose rewrite breaks equivalence (see above)."""
+def _reference(
+    original: onnx.ModelProto, record, dtype: str, plan: PrecisionPlan, max_seq_len: int
+) -> onnx.ModelProto:
+    """The unfused model converted/quantized as ``plan`` says: what a low-precision result is
+    verified against (canonicalization is exact; the PRECISION stage is the same code)."""
+    model = ir.serde.deserialize_model(original)
+    options = OptimizeOptions(max_seq_len=max_seq_len)
+    PassManager().run(model, record, dtype, options, precision=plan, lower=False)
+    return ir.to_proto(model)
+
+
+def _plan_tolerance(plan: PrecisionPlan):
+    from .tolerances import tolerance_for
+
+    int8 = plan.int4 is not None and plan.int4.accuracy_level == 4
+    return tolerance_for(plan.compute_dtype, "int4-int8-compute" if int8 else None)
+
+
+def _float_compute(model: onnx.ModelProto) -> onnx.ModelProto:
+    """``model`` with every MatMulNBits computing in its activation dtype (accuracy_level
+    dropped): the same int4 weights without the int8 rounding of activations, so two such
+    models that differ only by fusion agree to the activation dtype's tolerance."""
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    for node in copy.graph.node:
+        if node.op_type == "MatMulNBits":
+            kept = [a for a in node.attribute if a.name != "accuracy_level"]
+            del node.attribute[:]
+            node.attribute.extend(kept)
+    return copy
+
+
+def _drift(original: onnx.ModelProto, work: ir.Model, plan: PrecisionPlan) -> dict:
+    from .precision.drift import measure_drift
+
+    try:
+        return measure_drift(original, ir.to_proto(work), plan.name).to_dict()
+    except Exception as err:
+        return {"summary": f"not measured: {_first_line(err)}"}
+
+
+def _verified(
+    original: onnx.ModelProto,
+    work: ir.Model,
+    report: Report,
+    run,
+    skip_layers,
+    tolerance=None,
+    strict_int4: bool = False,
+):
+    """Verify ``work`` against ``original`` (the reference: the input, or the unfused model
+    at the same precision); roll back the layers whose rewrite breaks equivalence.
+
+    ``strict_int4``: int4 weights with int8 activations (accuracy level 4) agree only to the
+    int8 rounding noise (the loose ``tolerance``); the rewrite must also pass with both models
+    computing in their activation dtype (:func:`_float_compute`), at that dtype's tolerance.
+    """
     from .verify import compare_models
 
     lengths = _verify_lengths(report, work)
+    float_reference = _float_compute(original) if strict_int4 else None
+
+    def compare(candidate: ir.Model):
+        proto = ir.to_proto(candidate)
+        result = compare_models(original, proto, tolerance=tolerance, **lengths)
+        if float_reference is not None and result.passed:
+            result = compare_models(float_reference, _float_compute(proto), **lengths)
+        return result
 
     def check(candidate: ir.Model):
         try:
-            result = compare_models(original, ir.to_proto(candidate), **lengths)
+            result = compare(candidate)
         except Exception as err:
             raise VerificationError(f"cannot verify: {_first_line(err)}") from None
         for scenario in result.scenarios:

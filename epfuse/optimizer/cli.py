@@ -1,7 +1,9 @@
 """The ``epfuse`` command line.
 
-    epfuse optimize [IN] [-o OUT] [--ep EP] [--report FILE.json] [--max-seq-len N] [--verify]
-                    [--genai [--hf-config DIR]]
+    epfuse optimize [IN] [-o OUT] [--ep EP] [--precision P] [--report FILE.json]
+                    [--max-seq-len N] [--verify] [--require-fusion] [--genai [--hf-config DIR]]
+                    [--int4-block-size N] [--int4-asymmetric] [--int4-accuracy-level N]
+                    [--int4-no-lm-head] [--int4-embeddings]
     epfuse verify ORIGINAL OPTIMIZED [--prompt-len N]
     epfuse capabilities [--ep EP] [--probe]
 
@@ -20,9 +22,15 @@ from pathlib import Path
 
 from epfuse.capabilities import DTYPES, all_eps, get_ep, known_eps
 from epfuse.errors import EpfuseError
+from epfuse.optimizer.precision import PRECISIONS, Int4Options
+from epfuse.optimizer.precision import normalize as normalize_precision
 from epfuse.optimizer.verify.cli import add_verify_command
 
 EXIT_INPUT, EXIT_USAGE, EXIT_INTERNAL, EXIT_NOT_EQUIVALENT = 1, 2, 3, 4
+
+
+class UsageError(Exception):
+    """A bad combination or value of options: one line on stderr, exit 2."""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -33,6 +41,9 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
     try:
         return args.handler(args)
+    except UsageError as err:
+        print(f"epfuse: usage error: {err}", file=sys.stderr)
+        return EXIT_USAGE
     except EpfuseError as err:
         print(f"epfuse: error: {err}", file=sys.stderr)
         return EXIT_INPUT
@@ -66,6 +77,13 @@ def _parser() -> argparse.ArgumentParser:
     opt.add_argument("input", nargs="?", help="model to optimize (default: the bundled example)")
     opt.add_argument("-o", "--output", help="where to write the optimized model")
     opt.add_argument("--ep", default="cpu", help=f"execution provider ({', '.join(known_eps())})")
+    opt.add_argument(
+        "--precision",
+        default="auto",
+        metavar="P",
+        help=f"{', '.join(PRECISIONS)} (default auto: the dtype the EP's record prefers, e.g. "
+        "fp16 for cuda, else the input's; int4: int4 MatMul weights)",
+    )
     opt.add_argument("--report", help="also write the report as JSON to this file")
     opt.add_argument(
         "--max-seq-len",
@@ -94,6 +112,27 @@ def _parser() -> argparse.ArgumentParser:
         help="with --genai: Hugging Face folder to read config/generation_config and copy "
         "tokenizer files from",
     )
+    defaults = Int4Options()
+    int4 = opt.add_argument_group("int4 (with --precision int4; defaults: genai builder, CPU)")
+    int4.add_argument(
+        "--int4-block-size",
+        type=int,
+        metavar="N",
+        help=f"quantization block size (power of two >= 16, default {defaults.block_size})",
+    )
+    int4.add_argument(
+        "--int4-asymmetric", action="store_true", help="zero points (default symmetric)"
+    )
+    int4.add_argument(
+        "--int4-accuracy-level",
+        type=int,
+        metavar="N",
+        help=f"MatMulNBits accuracy_level 0-4 (default {defaults.accuracy_level}: int8 compute)",
+    )
+    int4.add_argument("--int4-no-lm-head", action="store_true", help="keep lm_head in float")
+    int4.add_argument(
+        "--int4-embeddings", action="store_true", help="quantize the embedding table too"
+    )
     opt.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
     opt.set_defaults(handler=_optimize)
 
@@ -112,12 +151,38 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _precision_options(args: argparse.Namespace) -> tuple[str, Int4Options | None]:
+    """``--precision`` and the ``--int4-*`` options, checked (UsageError on a bad one)."""
+    try:
+        precision = normalize_precision(args.precision)
+    except ValueError as err:
+        raise UsageError(f"--precision: {err}") from None
+    given = {
+        "block_size": args.int4_block_size,
+        "symmetric": False if args.int4_asymmetric else None,
+        "accuracy_level": args.int4_accuracy_level,
+        "lm_head": False if args.int4_no_lm_head else None,
+        "embeddings": True if args.int4_embeddings else None,
+    }
+    given = {k: v for k, v in given.items() if v is not None}
+    if precision != "int4":
+        if given:
+            raise UsageError("--int4-* options need --precision int4")
+        return precision, None
+    try:
+        return precision, Int4Options(**given)
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+
+
 def _optimize(args: argparse.Namespace) -> int:
     from epfuse.examples import EXAMPLE_MODEL
     from epfuse.optimizer.api import optimize_with_report
     from epfuse.optimizer.io import save_model
 
     record = get_ep(args.ep)  # fail on a bad EP before reading anything
+    precision, int4 = _precision_options(args)
+    args.precision_plan = (precision, int4)
     source = Path(args.input) if args.input else EXAMPLE_MODEL
     if args.hf_config and not args.genai:
         raise EpfuseError("--hf-config needs --genai")
@@ -141,6 +206,8 @@ def _optimize(args: argparse.Namespace) -> int:
         max_seq_len=args.max_seq_len,
         verify=args.verify,
         require_fusion=args.require_fusion,
+        precision=args.precision_plan[0],
+        int4=args.precision_plan[1],
     )
     save_model(model, output)
     if args.report:
@@ -174,6 +241,8 @@ def _optimize_genai(args: argparse.Namespace, record, source: Path) -> int:
         max_seq_len=args.max_seq_len,
         verify=args.verify,
         require_fusion=args.require_fusion,
+        precision=args.precision_plan[0],
+        int4=args.precision_plan[1],
     )
     package = write_genai_package(model, report, outdir, hf_config_dir=args.hf_config, ep=record)
     if args.report:

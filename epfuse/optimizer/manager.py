@@ -1,4 +1,4 @@
-"""The pass manager: canonicalize -> select by capability -> lower -> clean up.
+"""The pass manager: canonicalize -> precision -> select by capability -> lower -> clean up.
 
 Rules are grouped by the op they anchor on; each stage sweeps the graph, offering every node
 to the rules anchored on its op, and repeats until a sweep changes nothing (a fixed point).
@@ -25,6 +25,9 @@ from epfuse.patterns import RULES, Kept, OptimizeOptions, RewriteContext, Rewrit
 from epfuse.patterns.base import LAYER_KEY
 from epfuse.patterns.legalize._common import missing
 
+from .precision import PrecisionPlan
+from .precision.fp16 import convert_float
+from .precision.int4 import quantize_int4
 from .report import LayerReport, Report, RuleReport
 
 MAX_SWEEPS = 8
@@ -62,8 +65,23 @@ class PassManager:
         self.rules = rules
 
     def run(
-        self, model: ir.Model, ep: EPCapabilities, dtype: str, options: OptimizeOptions
+        self,
+        model: ir.Model,
+        ep: EPCapabilities,
+        dtype: str,
+        options: OptimizeOptions,
+        *,
+        precision: PrecisionPlan | None = None,
+        lower: bool = True,
     ) -> Report:
+        """Optimize ``model`` in place for ``ep``; ``dtype`` is the input's compute dtype.
+
+        ``precision`` (see ``epfuse.optimizer.precision``) converts the canonical graph to its
+        compute dtype before selection, so the converted dtype's record decides the lowering,
+        and quantizes int4 weights after legalization. ``lower=False`` stops after the
+        PRECISION stage (then quantizes as ``precision`` says): the unfused model converted
+        the same way, which ``optimize(verify=True)`` compares the result with.
+        """
         start = time.perf_counter()
         graph = model.graph
         report_options: dict = {"max_seq_len": options.max_seq_len}
@@ -96,6 +114,22 @@ class PassManager:
             if index is not None and node.graph is graph:
                 layers[index].reasons.append(reason)
 
+        # PRECISION: before selection, so the record of the converted dtype applies.
+        if precision is not None:
+            report.precision = precision.to_dict()
+            if precision.converts:
+                summary = convert_float(model, precision.compute_dtype, ctx.float64_sources())
+                ctx.dtype = report.dtype = precision.compute_dtype
+                report.precision["conversion"] = summary.describe()
+        if not lower:
+            self._cleanup(model)
+            if precision is not None and precision.int4 is not None:
+                report.precision["quantization"] = quantize_int4(model, precision.int4).describe()
+            report.layers = []
+            report.nodes_after = len(graph)
+            report.seconds = time.perf_counter() - start
+            return report
+
         selected = []
         for rule in active:
             if rule.stage is Stage.CANONICALIZE:
@@ -116,13 +150,17 @@ class PassManager:
         for stage in (Stage.LOWER, Stage.FINALIZE, Stage.LEGALIZE):
             stage_rules = [r for r in selected if r.stage is stage]
             self._sweep(ctx, stage_rules, rule_reports, by_layer, report)
+        if precision is not None and precision.int4 is not None:
+            # Last, so a packed QKV weight is one MatMul, quantized as one weight.
+            common_passes.RemoveUnusedNodesPass()(model)
+            report.precision["quantization"] = quantize_int4(model, precision.int4).describe()
         report.violations = _violations(graph, ctx, by_layer)
 
         if has_cycle(graph):  # one linear check per run; the API finds the culprit
             raise RewriteFailure(None, None, "a rewrite made the graph cyclic")
         self._cleanup(model)
         report.rules = list(rule_reports.values())
-        report.assumptions = _assumptions(graph, ep, dtype, options)
+        report.assumptions = _assumptions(graph, ep, ctx.dtype, options)
         report.nodes_after = len(graph)
         counts: dict[str, int] = defaultdict(int)
         for node in graph:

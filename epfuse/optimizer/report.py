@@ -56,6 +56,10 @@ class Report:
     verification: str | None = None
     """With ``optimize(verify=True)``: the verdict against the original, and what was rolled
     back (None when not verified)."""
+    precision: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """The chosen precision and why (``requested``, ``chosen``, ``source_dtype``,
+    ``compute_dtype``, ``reason``; ``conversion`` / ``quantization`` summaries; with
+    ``verify=True`` the ``drift`` against the float32 original)."""
 
     @property
     def fused_layers(self) -> int:
@@ -80,9 +84,16 @@ class Report:
             f"epfuse: {self.ep} / {self.dtype}: {self.fused_layers} of {len(self.layers)} "
             f"attention layers fused; {self.nodes_before} -> {self.nodes_after} nodes "
             f"in {self.seconds:.2f}s",
-            "",
-            f"{'layer':>5}  {'result':<36}  details",
         ]
+        if self.precision:
+            p = self.precision
+            lines.append(f"precision: {p.get('chosen')} ({p.get('reason')})")
+            for key in ("conversion", "quantization", "drift"):
+                if p.get(key):
+                    value = p[key]
+                    text = value if isinstance(value, str) else value.get("summary", str(value))
+                    lines.append(f"  {key}: {text}")
+        lines += ["", f"{'layer':>5}  {'result':<36}  details"]
         for layer in self.layers:
             details = "; ".join(layer.notes + layer.reasons) or "-"
             lines.append(f"{layer.layer:>5}  {layer.result:<36}  {details}")

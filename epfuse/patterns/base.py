@@ -58,6 +58,10 @@ LAYER_KEY = "epfuse.layer"
 """Node metadata key holding the attention-layer index the pass manager gave the node."""
 
 
+FLOAT64_SOURCES = "epfuse.float64-sources"
+"""RewriteContext.cache key: initializer name -> float64 source array."""
+
+
 @dataclasses.dataclass
 class OptimizeOptions:
     max_seq_len: int = 4096
@@ -90,6 +94,16 @@ class RewriteContext:
     @property
     def ops(self) -> OpSupport:
         return self.ep.ops(self.dtype)
+
+    def record_float64(self, value: ir.Value, array64: Any) -> None:
+        """Remember the float64 array a constant was rounded from (RoPE caches), so that a
+        later precision conversion rounds it once from float64 instead of twice."""
+        if value.name:
+            self.cache.setdefault(FLOAT64_SOURCES, {})[value.name] = array64
+
+    def float64_sources(self) -> dict[str, Any]:
+        """Initializer name -> the float64 array it was built from (see ``record_float64``)."""
+        return self.cache.get(FLOAT64_SOURCES, {})
 
     def skips(self, node: ir.Node) -> bool:
         """True when ``node`` belongs to a layer in ``options.skip_layers``.

@@ -48,12 +48,53 @@ def test_optimize_with_output_and_report(tmp_path, example_model, capsys):
 
 
 def test_cuda_fp32_keeps_attention_and_says_why(tmp_path, example_model, capsys):
-    assert (
-        main(["optimize", str(example_model), "-o", str(tmp_path / "o.onnx"), "--ep", "cuda"]) == 0
-    )
+    out_path = str(tmp_path / "o.onnx")
+    argv = ["optimize", str(example_model), "-o", out_path, "--ep", "cuda", "--precision", "fp32"]
+    assert main(argv) == 0
     out = capsys.readouterr().out
     assert "0 of 2 attention layers fused" in out
     assert "cuda has no GroupQueryAttention" in out
+
+
+def test_cuda_default_precision_is_fp16_gqa(tmp_path, example_model, capsys):
+    out_path = tmp_path / "o.onnx"
+    assert main(["optimize", str(example_model), "-o", str(out_path), "--ep", "cuda"]) == 0
+    out = capsys.readouterr().out
+    assert "cuda / float16: 2 of 2 attention layers fused" in out
+    assert "precision: float16 (auto: cuda prefers float16" in out
+    model = onnx.load(str(out_path))
+    assert sum(n.op_type == "GroupQueryAttention" for n in model.graph.node) == 2
+
+
+def test_int4_cli_options(tmp_path, example_model, capsys):
+    out_path = tmp_path / "o.onnx"
+    argv = ["optimize", str(example_model), "-o", str(out_path), "--precision", "int4"]
+    argv += ["--int4-block-size", "16", "--int4-asymmetric", "--int4-no-lm-head"]
+    assert main(argv) == 0
+    assert "int4: " in capsys.readouterr().out
+    model = onnx.load(str(out_path))
+    nbits = [n for n in model.graph.node if n.op_type == "MatMulNBits"]
+    assert nbits and all(len(n.input) == 4 for n in nbits)
+    assert [n.output[0] for n in model.graph.node if n.op_type == "MatMul"] == ["logits"]
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--precision", "fp8"], "--precision: unknown precision 'fp8'"),
+        (["--int4-block-size", "64"], "--int4-* options need --precision int4"),
+        (["--precision", "int4", "--int4-block-size", "48"], "power of two"),
+        (["--precision", "int4", "--int4-accuracy-level", "9"], "accuracy level"),
+    ],
+)
+def test_bad_precision_is_a_one_line_usage_error(tmp_path, example_model, capsys, extra, message):
+    before = sorted(tmp_path.iterdir())
+    rc = main(["optimize", str(example_model), "-o", str(tmp_path / "o.onnx"), *extra])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert err.startswith("epfuse: usage error: ") and err.count("\n") == 1, err
+    assert message in err
+    assert sorted(tmp_path.iterdir()) == before
 
 
 def _bad(tmp_path, capsys, argv):

@@ -335,3 +335,23 @@ def test_tokens_per_second_report(family):
         f"export in a Python loop {rate(plain)}, optimized in a Python loop {rate(fused)}, "
         f"optimized in onnxruntime-genai {rate(genai)}"
     )
+
+
+@pytest.mark.parametrize("family", ["llama@23"], indirect=True)
+def test_int4_package_generates_the_unfused_int4_tokens(family, tmp_path):
+    """An int4 package (--precision int4) runs in genai with the shared buffer; its greedy
+    tokens are those of the unfused export quantized the same way (quantization changes them
+    vs HF, fusion must not)."""
+    from epfuse.optimizer.io import save_model
+
+    optimized, report = epfuse.optimize_with_report(
+        family.plain, "cpu", max_seq_len=MAX_SEQ_LEN, precision="int4"
+    )
+    assert report.precision["chosen"] == "int4" and report.fused_layers == 2
+    package = write_genai_package(optimized, report, tmp_path / "int4")
+    assert package.share_buffer
+    unfused = epfuse.optimize(family.plain, "cpu", precision="int4", skip_layers={0, 1})
+    save_model(unfused, tmp_path / "unfused-int4.onnx")
+    want, _ = _python_loop(tmp_path / "unfused-int4.onnx", PROMPTS[0])
+    (got,), _ = genai_generate(og.Model(str(package.directory)), [PROMPTS[0]], logits=False)
+    assert got == want

@@ -63,7 +63,7 @@ def _init(model: onnx.ModelProto, name: str) -> np.ndarray:
 
 def _optimized(cfg: DecoderConfig, ep: str = "cpu") -> tuple[onnx.ModelProto, onnx.ModelProto]:
     original = build_decoder(cfg)
-    optimized = epfuse.optimize(original, ep)
+    optimized = epfuse.optimize(original, ep, precision=cfg.dtype)
     assert compare_models(original, optimized).passed  # the control: no defect, no failure
     return original, optimized
 

@@ -28,7 +28,8 @@ def gemma2(request, tmp_path_factory):
 @pytest.mark.parametrize("ep", NO_FUSION_EPS)
 def test_softcap_export_is_served_on_every_ep(gemma2, ep, tmp_path, capsys):
     out, report_path = tmp_path / "o.onnx", tmp_path / "r.json"
-    rc = main(["optimize", str(gemma2), "--ep", ep, "-o", str(out), "--report", str(report_path)])
+    argv = ["optimize", str(gemma2), "--ep", ep, "-o", str(out), "--report", str(report_path)]
+    rc = main([*argv, "--precision", "fp32"])
     captured = capsys.readouterr()
     assert rc == 0, captured.err
     assert "0 of 2 attention layers fused" in captured.out
@@ -44,7 +45,8 @@ def test_softcap_export_is_served_on_every_ep(gemma2, ep, tmp_path, capsys):
 @pytest.mark.parametrize("ep", ["dml", "trt-rtx"])
 def test_require_fusion_refuses_with_one_line(gemma2, ep, tmp_path, capsys):
     out = tmp_path / "o.onnx"
-    rc = main(["optimize", str(gemma2), "--ep", ep, "-o", str(out), "--require-fusion"])
+    argv = ["optimize", str(gemma2), "--ep", ep, "-o", str(out), "--require-fusion"]
+    rc = main([*argv, "--precision", "fp32"])
     err = capsys.readouterr().err.strip()
     assert rc == 1 and len(err.splitlines()) == 1
     assert "require_fusion: 2 of 2 attention layers not fused" in err

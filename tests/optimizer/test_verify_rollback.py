@@ -102,8 +102,8 @@ def test_verify_raises_when_even_the_canonical_form_fails(monkeypatch):
 
     real_run = PassManager.run
 
-    def broken_canonicalization(self, model, ep, dtype, options):
-        report = real_run(self, model, ep, dtype, options)
+    def broken_canonicalization(self, model, ep, dtype, options, **kwargs):
+        report = real_run(self, model, ep, dtype, options, **kwargs)
         lm_head = model.graph.initializers["lm_head.weight"]
         array = lm_head.const_value.numpy().copy()
         array[0, 0] += 1.0

@@ -216,6 +216,8 @@ def full_width_caches(ctx, node, inv_freq, dtype, cos, sin, positions, interleav
         builder = Builder(ctx.graph, node, "epfuse/rope")
         built = (builder.const("cos_cache", cos_np), builder.const("sin_cache", sin_np))
         ctx.cache[key] = (cos_np, sin_np, built)
+        for value, array64 in zip(built, _cache_arrays64(inv_freq, scale, max_len), strict=True):
+            ctx.record_float64(value, array64)
     return built
 
 
@@ -243,10 +245,15 @@ def _measured_scale(graph, cos, positions) -> float | str:
     return float(got[0])
 
 
-def _cache_arrays(inv_freq, scale, dtype, max_len):
+def _cache_arrays64(inv_freq, scale, max_len):
     angles = np.arange(max_len, dtype=np.float64)[:, None] * inv_freq.astype(np.float64)
+    return np.cos(angles) * scale, np.sin(angles) * scale
+
+
+def _cache_arrays(inv_freq, scale, dtype, max_len):
     np_dtype = dtype.numpy()
-    return (np.cos(angles) * scale).astype(np_dtype), (np.sin(angles) * scale).astype(np_dtype)
+    cos, sin = _cache_arrays64(inv_freq, scale, max_len)
+    return cos.astype(np_dtype), sin.astype(np_dtype)
 
 
 def _proven_once(ctx, key, cos, sin, prove) -> str | None:
@@ -294,6 +301,8 @@ def _caches(ctx, inv_freq, scale, dtype, node, cos, sin, positions):
         builder = Builder(ctx.graph, node, "epfuse/rope")
         built = (builder.const("cos_cache", cos_np), builder.const("sin_cache", sin_np))
         ctx.cache[key] = (cos_np, sin_np, built)
+        for value, array64 in zip(built, _cache_arrays64(inv_freq, scale, max_len), strict=True):
+            ctx.record_float64(value, array64)
     return built
 
 

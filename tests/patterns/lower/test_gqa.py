@@ -103,7 +103,7 @@ def test_rotary_outside_gqa_when_cpu_limits_forbid_fusing(cfg, reason):
 @pytest.mark.parametrize("ep", ["dml", "webgpu"])
 def test_eps_without_usable_fused_rotary_get_do_rotary_0(ep):
     original = build_decoder(DecoderConfig())
-    optimized, report = epfuse.optimize_with_report(original, ep)
+    optimized, report = epfuse.optimize_with_report(original, ep, precision="fp32")
     assert all(_attrs(n)["do_rotary"] == 0 for n in _gqa_nodes(optimized))
     assert all("RoPE kept outside" in " ".join(layer.notes) for layer in report.layers)
     assert_equivalent(original, optimized)
@@ -113,7 +113,7 @@ def test_eps_without_usable_fused_rotary_get_do_rotary_0(ep):
 def test_default_and_cuda_fp32_keep_standard_attention(style):
     original = build_decoder(DecoderConfig(style=style))
     for ep in ("default", "cuda", "coreml"):
-        optimized, report = epfuse.optimize_with_report(original, ep)
+        optimized, report = epfuse.optimize_with_report(original, ep, precision="fp32")
         assert not _gqa_nodes(optimized)
         if ep != "cuda":  # CUDA fp32 still gets the norm fusions its record allows
             assert all(n.domain in ("", "ai.onnx") for n in optimized.graph.node)

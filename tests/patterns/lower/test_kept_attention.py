@@ -40,7 +40,7 @@ def test_softcap_layer_legalized_exactly_and_reported(ep, dtype, why):
     equal on ORT CPU, and the report says both why GQA refused and how it was legalized."""
     cfg = DecoderConfig(style="mobius", softcap=5.0, sliding_window=4, dtype=dtype)
     original = build_decoder(cfg)
-    optimized, report = epfuse.optimize_with_report(original, ep)
+    optimized, report = epfuse.optimize_with_report(original, ep, precision=dtype)
     assert not _attention(optimized)
     assert not any(n.op_type == "GroupQueryAttention" for n in optimized.graph.node)
     assert sum(n.op_type == "Tanh" for n in optimized.graph.node) == cfg.layers

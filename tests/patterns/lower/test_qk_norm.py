@@ -65,7 +65,7 @@ def test_fused_on_cuda(style, dtype):
 def test_norm_stays_ahead_of_gqa_elsewhere(ep, dtype):
     cfg = DecoderConfig(style="mobius", qk_norm=True, dtype=dtype)
     original = build_decoder(cfg)
-    optimized = epfuse.optimize(original, ep)
+    optimized = epfuse.optimize(original, ep, precision=dtype)
     assert all(len(n.input) <= 14 or not n.input[14] for n in _gqa(optimized))
     head_norms = [
         n

@@ -1,0 +1,239 @@
+"""int4 weight-only quantization with onnxruntime's ``MatMulNBitsQuantizer``, one weight at a time.
+
+The quantizer (``onnxruntime.quantization.matmul_nbits_quantizer``) takes a ModelProto with
+its weights loaded. Handing it the whole model would hold every fp32 weight twice (the IR's,
+read from external data, and the proto's) plus the int4 result. So each MatMul with a constant
+weight is quantized in a model of its own: that one MatMul, its weight and a typed input. The
+quantizer's nodes (``MatMulNBits``, or ``GatherBlockQuantized`` for the embedding) and
+initializers replace the original node in the IR model, and the fp32 weight is released. Peak
+memory is one fp32 weight plus the int4 weights, whatever the model's size; the quantization
+itself is ORT's code, unchanged (block-wise round-to-nearest with a per-block scale, and a
+zero point when asymmetric).
+
+This runs after lowering: the packed QKV weight of a fused layer (``lower/pack_qkv``) is one
+MatMul, quantized as one weight. Blocks run along the input dimension, one scale per output
+column and block, so quantizing the packed [hidden, q+k+v] weight gives exactly the columns
+that quantizing Q, K and V apart would: the fused int4 model and the unfused int4 reference
+hold the same numbers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import onnx
+import onnx_ir as ir
+
+from . import Int4Options
+
+_SHAPE_OPS = frozenset(("Reshape", "Cast", "Identity", "Squeeze", "Unsqueeze", "Flatten"))
+
+
+@dataclasses.dataclass
+class Int4Summary:
+    options: Int4Options
+    matmuls: int = 0
+    gathers: int = 0
+    kept: list[str] = dataclasses.field(default_factory=list)
+    """MatMul/Gather weights left in float, and why."""
+    weight_bytes_before: int = 0
+    weight_bytes_after: int = 0
+
+    def describe(self) -> str:
+        text = f"int4: {self.matmuls} MatMul weight(s)"
+        if self.gathers:
+            text += f" and {self.gathers} embedding table(s)"
+        text += f" quantized ({self.options.describe()})"
+        if self.weight_bytes_before:
+            text += (
+                f"; weights {self.weight_bytes_before / 2**20:.1f} -> "
+                f"{self.weight_bytes_after / 2**20:.1f} MiB"
+            )
+        return text
+
+
+def quantize_int4(model: ir.Model, options: Int4Options) -> Int4Summary:
+    """Replace constant-weight MatMuls (and optionally the embedding Gather) with int4 ops."""
+    summary = Int4Summary(options)
+    graph = model.graph
+    lm_head = _lm_head(graph)
+    for node in list(graph):
+        if node.domain not in ("", "ai.onnx"):
+            continue
+        if node.op_type == "MatMul":
+            weight = node.inputs[1]
+            if not _float_weight(weight):
+                continue
+            if node is lm_head and not options.lm_head:
+                summary.kept.append(f"{node.name or 'lm_head'}: lm_head kept (option)")
+                continue
+            if weight.shape is None or len(weight.shape) != 2:
+                summary.kept.append(f"{node.name}: weight is not 2-D")
+                continue
+            _replace(model, node, 1, options, ("MatMul",), summary)
+        elif node.op_type == "Gather" and options.embeddings:
+            data = node.inputs[0]
+            if _float_weight(data) and data.shape is not None and len(data.shape) == 2:
+                _replace(model, node, 0, options, ("Gather",), summary)
+    return summary
+
+
+def _float_weight(value: ir.Value | None) -> bool:
+    return (
+        value is not None
+        and value.const_value is not None
+        and value.is_initializer()
+        and value.const_value.dtype
+        in (ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
+    )
+
+
+def _lm_head(graph: ir.Graph) -> ir.Node | None:
+    """The MatMul whose result is the logits output (through shape-only ops)."""
+    logits = next((v for v in graph.outputs if v.name == "logits"), None)
+    if logits is None and graph.outputs:
+        logits = graph.outputs[0]
+    node = logits.producer() if logits is not None else None
+    while node is not None and node.op_type in _SHAPE_OPS and node.inputs:
+        node = node.inputs[0].producer() if node.inputs[0] is not None else None
+    return node if node is not None and node.op_type == "MatMul" else None
+
+
+def _replace(
+    model: ir.Model,
+    node: ir.Node,
+    weight_index: int,
+    options: Int4Options,
+    op_types: tuple[str, ...],
+    summary: Int4Summary,
+) -> None:
+    MatMulNBitsQuantizer = _quantizer_class()
+    graph = model.graph
+    weight = node.inputs[weight_index]
+    tensor = weight.const_value
+    summary.weight_bytes_before += tensor.nbytes
+    mini = _single_node_model(model, node, weight_index)
+    quant_axes = (("Gather", 1),) if op_types == ("Gather",) else None
+    quantizer = MatMulNBitsQuantizer(
+        mini,
+        bits=4,
+        block_size=options.block_size,
+        is_symmetric=options.symmetric,
+        accuracy_level=options.accuracy_level or None,
+        op_types_to_quantize=op_types,
+        quant_axes=quant_axes,
+    )
+    logger = logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer")
+    level = logger.level
+    logger.setLevel(logging.WARNING)  # its per-node INFO lines are noise here
+    try:
+        quantizer.process()
+    finally:
+        logger.setLevel(level)
+    result = quantizer.model.model.graph
+    if [n.op_type for n in result.node] == [node.op_type]:
+        summary.kept.append(f"{node.name}: the quantizer kept it")
+        summary.weight_bytes_after += tensor.nbytes
+        return
+    values: dict[str, ir.Value] = {v.name: v for v in node.inputs if v is not None}
+    for proto in result.initializer:
+        quantized = ir.serde.deserialize_tensor(proto)
+        value = ir.Value(name=_fresh(graph, proto.name), const_value=quantized)
+        value.dtype, value.shape = quantized.dtype, quantized.shape
+        graph.register_initializer(value)
+        values[proto.name] = value
+        summary.weight_bytes_after += quantized.nbytes
+    old = node.outputs[0]
+    created = []
+    for proto in result.node:
+        inputs = [values[name] if name else None for name in proto.input]
+        attributes = [ir.serde.deserialize_attribute(a) for a in proto.attribute]
+        new = ir.Node(
+            proto.domain,
+            proto.op_type,
+            inputs,
+            attributes,
+            num_outputs=len(proto.output),
+            name=proto.name or None,
+        )
+        for out, name in zip(new.outputs, proto.output, strict=True):
+            out.name = f"{old.name}/{name}" if name != "y" else None
+            values[name] = out
+        created.append(new)
+    graph.insert_after(node, created)
+    replacement = values["y"]
+    # MatMul's result has A's dtype, Gather's the table's.
+    dtype = old.dtype or (node.inputs[0].dtype if weight_index == 1 else tensor.dtype)
+    if dtype is not None:  # unknown (no type inference on this graph): leave it to ORT
+        replacement.dtype = dtype
+        if old.shape is not None:
+            replacement.shape = old.shape
+    name = old.name
+    old.replace_all_uses_with(replacement, replace_graph_outputs=True)
+    old.name = None
+    replacement.name = name
+    graph.remove(node, safe=True)
+    if not weight.uses():
+        graph.initializers.pop(weight.name, None)
+        weight.const_value = None  # release the fp32 weight now
+    if op_types == ("MatMul",):
+        summary.matmuls += 1
+    else:
+        summary.gathers += 1
+    _set_opset(model, "com.microsoft", 1)
+
+
+def _quantizer_class():
+    """``MatMulNBitsQuantizer``, imported without the root-logger set-up its module does at
+    import (``logging.basicConfig(level=INFO)``), which would make every library's INFO
+    messages print in the caller's process."""
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    try:
+        from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+    finally:
+        root.handlers[:] = handlers
+        root.setLevel(level)
+    return MatMulNBitsQuantizer
+
+
+def _single_node_model(model: ir.Model, node: ir.Node, weight_index: int) -> onnx.ModelProto:
+    """A model of ``node`` alone, its weight loaded (the only fp32 weight in memory)."""
+    weight = node.inputs[weight_index]
+    other = node.inputs[1 - weight_index]
+    tensor = weight.const_value
+    # Loaded here (an external or lazy tensor becomes bytes): the one weight in memory.
+    weight_proto = ir.serde.serialize_tensor(ir.Tensor(tensor.numpy(), dtype=tensor.dtype))
+    weight_proto.name = weight.name
+    fallback = tensor.dtype if weight_index == 1 else ir.DataType.INT64
+    elem = other.dtype if other.dtype is not None else fallback
+    rank = len(other.shape) if other.shape is not None else 3
+    dims = [f"d{i}" for i in range(rank)]
+    inputs = [onnx.helper.make_tensor_value_info(other.name, int(elem), dims)]
+    names = [other.name, weight.name] if weight_index == 1 else [weight.name, other.name]
+    attrs = {k: ir.serde.serialize_attribute(a) for k, a in node.attributes.items()}
+    proto_node = onnx.helper.make_node(node.op_type, names, ["y"], name=node.name or "w")
+    proto_node.attribute.extend(attrs.values())
+    out_dtype = node.outputs[0].dtype or ir.DataType.FLOAT
+    output = onnx.helper.make_tensor_value_info("y", int(out_dtype), None)
+    graph = onnx.helper.make_graph([proto_node], "one", inputs, [output], [weight_proto])
+    opset = model.opset_imports.get("", 21)
+    return onnx.helper.make_model(
+        graph,
+        opset_imports=[onnx.helper.make_opsetid("", max(opset, 21))],
+        ir_version=max(model.ir_version or 10, 10),
+    )
+
+
+def _fresh(graph: ir.Graph, name: str) -> str:
+    if name not in graph.initializers:
+        return name
+    i = 1
+    while f"{name}_{i}" in graph.initializers:
+        i += 1
+    return f"{name}_{i}"
+
+
+def _set_opset(model: ir.Model, domain: str, version: int) -> None:
+    model.opset_imports.setdefault(domain, version)
