@@ -169,9 +169,23 @@ def scaling_config(layers: int):
     )
 
 
-def large_config(quick: bool):
-    """~78M float32 parameters (~310 MB) in full mode, ~10M (~40 MB) in quick mode."""
+def large_config(quick: bool, size: str = "310mb"):
+    """~78M float32 parameters (~310 MB) in full mode, ~10M (~40 MB) in quick mode; ``1gb``:
+    Llama-3.2-1B's layer shape (hidden 2048, intermediate 8192, 32/8 heads) with 4 layers and
+    a 32000 vocabulary, ~374M parameters (~1.4 GB)."""
     from transformers import LlamaConfig
+
+    if size == "1gb":
+        return LlamaConfig(
+            vocab_size=32000,
+            hidden_size=2048,
+            intermediate_size=8192,
+            num_hidden_layers=4,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            head_dim=64,
+            max_position_embeddings=4096,
+        )
 
     if quick:
         return LlamaConfig(
@@ -300,6 +314,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--no-int4", action="store_true", help="skip the int4 run of the external-data case"
     )
+    parser.add_argument(
+        "--large-size",
+        choices=("310mb", "1gb"),
+        default="310mb",
+        help="weights of the external-data case (1gb: Llama-3.2-1B layers, 4 of them)",
+    )
     parser.add_argument("--export-only", action="store_true", help="only fill the export cache")
     args = parser.parse_args(argv)
 
@@ -320,12 +340,14 @@ def main(argv: list[str] | None = None) -> int:
         for layers in layer_counts:
             files[(opset, layers)] = folder / f"llama-h64-L{layers}-opset{opset}.onnx"
     large_name = "large-quick" if quick else "large"
+    if args.large_size == "1gb":
+        large_name = "large-1gb"
     large_path = folder / f"{large_name}-opset23.onnx"
     if args.export_only:
         for (opset, layers), path in files.items():
             export_cached(scaling_config(layers), opset, path)
         if not args.no_large:
-            export_cached(large_config(quick), 23, large_path, external=True)
+            export_cached(large_config(quick, args.large_size), 23, large_path, external=True)
         return 0
     # Export in a child process: torch would otherwise stay in this process, and a child
     # inherits its parent's peak RSS in ru_maxrss.

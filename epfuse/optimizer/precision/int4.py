@@ -19,6 +19,7 @@ hold the same numbers.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 
@@ -138,7 +139,10 @@ def _replace(
         return
     values: dict[str, ir.Value] = {v.name: v for v in node.inputs if v is not None}
     for proto in result.initializer:
-        quantized = ir.serde.deserialize_tensor(proto)
+        # A copy in a message of its own: a sub-message would keep the one-node model's whole
+        # protobuf arena alive, fp32 weight bytes included, for as long as the int4 tensor.
+        own = onnx.TensorProto.FromString(proto.SerializeToString())
+        quantized = ir.serde.deserialize_tensor(own)
         value = ir.Value(name=_fresh(graph, proto.name), const_value=quantized)
         value.dtype, value.shape = quantized.dtype, quantized.shape
         graph.register_initializer(value)
@@ -206,6 +210,9 @@ def _single_node_model(model: ir.Model, node: ir.Node, weight_index: int) -> onn
     # Loaded here (an external or lazy tensor becomes bytes): the one weight in memory.
     weight_proto = ir.serde.serialize_tensor(ir.Tensor(tensor.numpy(), dtype=tensor.dtype))
     weight_proto.name = weight.name
+    if isinstance(tensor, ir.ExternalTensor):
+        with contextlib.suppress(BufferError):  # a view still alive elsewhere: keep it
+            tensor.release()  # unmap: the proto holds the one copy now
     fallback = tensor.dtype if weight_index == 1 else ir.DataType.INT64
     elem = other.dtype if other.dtype is not None else fallback
     rank = len(other.shape) if other.shape is not None else 3

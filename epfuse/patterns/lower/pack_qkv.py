@@ -17,6 +17,8 @@ are not loaded by the rewrite.
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import onnx_ir as ir
 
@@ -96,7 +98,14 @@ def _concat(parts: list[ir.TensorProtocol], axis: int, name: str) -> ir.LazyTens
     shape[axis] = sum(p.shape[axis] for p in parts)
 
     def load() -> ir.TensorProtocol:
-        return ir.tensor(np.concatenate([p.numpy() for p in parts], axis=axis), name=name)
+        packed = np.concatenate([p.numpy() for p in parts], axis=axis)
+        for part in parts:
+            # External parts are memory-mapped: unmap them once copied (they map again if
+            # read again), so reading a packed weight costs its bytes once, not twice.
+            if isinstance(part, ir.ExternalTensor):
+                with contextlib.suppress(BufferError):  # a view still alive elsewhere
+                    part.release()
+        return ir.tensor(packed, name=name)
 
     return ir.LazyTensor(load, dtype=first.dtype, shape=ir.Shape(shape), name=name)
 
