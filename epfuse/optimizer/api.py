@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from collections.abc import Iterable
 from typing import TypeVar, overload
 
@@ -281,7 +280,7 @@ def _verified(
     """
     from .verify import compare_models
 
-    lengths = _verify_lengths(report, work)
+    lengths = _verify_lengths(original, work)
     float_reference = _float_compute(original) if strict_int4 else None
 
     def compare(candidate: ir.Model):
@@ -340,23 +339,12 @@ def _verified(
     return work, report
 
 
-def _verify_lengths(report: Report, model: ir.Model) -> dict[str, int]:
-    """Scenario lengths past every sliding window the optimized layers carry (their GQA's
-    ``local_window_size``, or the window the report's layer notes name)."""
-    window = 0
-    for node in model.graph:
-        if node.op_type == "GroupQueryAttention" and "local_window_size" in node.attributes:
-            window = max(window, node.attributes["local_window_size"].value)
-    for layer in report.layers:
-        for note in layer.notes:
-            for match in re.finditer(r"sliding window (\d+)", note):
-                window = max(window, int(match.group(1)))
-    window = min(window, max(report.options.get("max_seq_len", 4096) - 4, 0))
-    return {
-        "prompt_len": max(7, window + 3),
-        "decode_past_len": max(6, window + 2),
-        "chunk_past_len": max(5, window + 1),
-    }
+def _verify_lengths(original: onnx.ModelProto, model: ir.Model) -> dict[str, int]:
+    """Scenario lengths past every sliding window and length threshold of either graph (read
+    once: the rollback compares many candidates against the same original)."""
+    from .verify.limits import default_lengths, read_limits
+
+    return default_lengths(read_limits(original, ir.to_proto(model)))
 
 
 def _scenario_list(result) -> str:

@@ -248,3 +248,28 @@ def test_fused_qkv_split_needs_no_layout_ops(family):
     producers = {o: n for n in exported.optimized.graph.node for o in n.output}
     for node in gqa:
         assert [producers[i].op_type for i in node.input[:3]] == ["Slice"] * 3
+
+
+@pytest.mark.parametrize("family", ["gemma2", "mistral"], indirect=True)
+def test_default_verify_catches_a_lost_window(family, tmp_path, capsys):
+    """The defect peers ship (mobius' cpu build of Gemma-2): the window dropped from every
+    layer, here GQA's ``local_window_size`` set to -1 in the epfuse output. The default
+    ``epfuse verify`` reads the window from the export's evaluated mask and runs past it."""
+    from epfuse.optimizer.cli import main
+
+    _, exported = family
+    mutant = onnx.ModelProto.FromString(exported.optimized.SerializeToString())
+    touched = 0
+    for node in mutant.graph.node:
+        for a in node.attribute:
+            if node.op_type == "GroupQueryAttention" and a.name == "local_window_size":
+                touched += a.i > 0
+                a.i = -1
+    assert touched
+    onnx.save(mutant, tmp_path / "mutant.onnx")
+    onnx.save(exported.optimized, tmp_path / "honest.onnx")
+    assert main(["verify", str(exported.path), str(tmp_path / "honest.onnx")]) == 0
+    assert main(["verify", str(exported.path), str(tmp_path / "mutant.onnx")]) == 4
+    out = capsys.readouterr().out
+    assert f"sliding window {W}" in out
+    assert "FAIL (prompt" in out.splitlines()[-1]

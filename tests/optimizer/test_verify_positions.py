@@ -32,7 +32,12 @@ def test_custom_streams_reach_the_model():
     assert compare_models(original, t_only, prompt_len=10, decode_past_len=9).passed
     # decode token 5 and chunk tokens 5..7 are image tokens: every scenario sees T != H != W
     image = compare_models(
-        original, t_only, prompt_len=10, decode_past_len=5, position_streams=image_positions
+        original,
+        t_only,
+        prompt_len=10,
+        decode_past_len=5,
+        chunk_past_len=5,
+        position_streams=image_positions,
     )
     assert not image.passed
     assert set(image.failed_scenarios()) == {"prompt", "decode", "chunk", "padded", "padded_decode"}

@@ -17,7 +17,8 @@ def add_verify_command(sub: argparse._SubParsersAction) -> argparse.ArgumentPars
         help="check on ORT CPU that OPTIMIZED computes what ORIGINAL computes",
         description="Run both models on ORT CPU for a prompt, decode with a real past, chunked "
         "prefill, a right-padded batch and decode after a padded prompt (inputs made from the "
-        "models' input signatures); print max abs/rel error per output and PASS or FAIL "
+        "models' input signatures, lengths past every sliding window and length threshold "
+        "read from both graphs); print max abs/rel error per output and PASS or FAIL "
         f"(exit {EXIT_NOT_EQUIVALENT}).",
     )
     ver.add_argument("original", help="the model before optimization")
@@ -25,46 +26,67 @@ def add_verify_command(sub: argparse._SubParsersAction) -> argparse.ArgumentPars
     ver.add_argument(
         "--prompt-len",
         type=int,
-        default=7,
-        help="prompt length (raise it past a sliding window; default 7)",
+        default=None,
+        help="prompt length (default: past every sliding window and length threshold of "
+        "either model, at least 7)",
+    )
+    ver.add_argument(
+        "--scenario",
+        action="append",
+        default=None,
+        metavar="NAME",
+        help="run this scenario instead of the built-in set, e.g. 'prompt[9, 4]', "
+        "'decode[b=2,past=11,new=1]', 'chunk[b=1,past=4,new=3]', 'padded_decode[9, 4]x2' "
+        "(repeatable; the form `epfuse fuzz` prints to replay a failure)",
+    )
+    ver.add_argument(
+        "--seed", type=int, default=0, help="seed of the token ids (default 0; with --scenario)"
     )
     ver.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
     ver.set_defaults(handler=run_verify)
     return ver
 
 
-def run_verify(args: argparse.Namespace) -> int:
+def load_pair(original: str, optimized: str) -> list:
+    """Both models as ModelProtos with their weights in memory (ORT gets bytes)."""
     import onnx_ir as ir
 
     from epfuse.optimizer.io import load_model
 
-    from .runner import compare_models
-
-    if args.prompt_len < 1:
-        raise EpfuseError("--prompt-len must be positive")
     models = []
-    for path in (args.original, args.optimized):
+    for path in (original, optimized):
         model = load_model(Path(path))  # clear one-line errors for bad files
-        ir.external_data.load_to_model(model)  # ORT gets bytes: weights must be in memory
+        ir.external_data.load_to_model(model)
         models.append(ir.to_proto(model))
-    kwargs = {
-        "prompt_len": args.prompt_len,
-        "decode_past_len": max(1, args.prompt_len - 1),
-        "chunk_past_len": max(1, args.prompt_len - 2),
-    }
+    return models
+
+
+def compare_or_explain(original_path: str, models: list, **kwargs):
+    """``compare_models`` with every way it can fail as input turned into a one-line error."""
+    from .runner import LengthError, compare_models
+
     try:
         result = compare_models(*models, **kwargs)
+    except LengthError as err:
+        raise EpfuseError(str(err)) from None
     except ValueError as err:  # I/O roles not recognised or not matching
         raise EpfuseError(f"cannot compare these models: {err}") from None
     except Exception as err:
         if not type(err).__module__.startswith("onnxruntime"):
             raise
         line = (str(err).strip().splitlines() or [""])[0][:300]
-        raise EpfuseError(f"{args.original}: does not load in ORT CPU: {line}") from None
+        raise EpfuseError(f"{original_path}: does not load in ORT CPU: {line}") from None
     for scenario in result.scenarios:
         if scenario.error and scenario.error.startswith("original model failed"):
-            raise EpfuseError(f"{args.original}: cannot run on ORT CPU: {scenario.error}")
-    print(f"original:  {args.original}\noptimized: {args.optimized}\n")
+            raise EpfuseError(f"{original_path}: cannot run on ORT CPU: {scenario.error}")
+    return result
+
+
+def print_result(args: argparse.Namespace, result) -> None:
+    print(f"original:  {args.original}\noptimized: {args.optimized}")
+    print(f"matched (original):  {result.roles[0]}")
+    print(f"matched (optimized): {result.roles[1]}")
+    print(f"lengths: {result.limits}\n")
     print(result)
     print("\nper output (worst over all scenarios):")
     worst: dict[str, tuple[float, float]] = {}
@@ -75,9 +97,29 @@ def run_verify(args: argparse.Namespace) -> int:
     width = max((len(name) for name in worst), default=6)
     for name, (abs_err, rel_err) in worst.items():
         print(f"  {name:<{width}}  max abs {abs_err:.3g}  max rel {rel_err:.3g}")
-    errors = [f"{s.name}: {s.error}" for s in result.scenarios if s.error]
-    for line in errors:
-        print(f"  error in {line}")
+
+
+def run_verify(args: argparse.Namespace) -> int:
+    from .scenarios import parse_scenario
+
+    if args.prompt_len is not None and args.prompt_len < 1:
+        raise EpfuseError("--prompt-len must be positive")
+    kwargs: dict = {"seed": args.seed}
+    if args.scenario:
+        try:
+            kwargs["scenarios"] = [parse_scenario(text) for text in args.scenario]
+        except ValueError as err:
+            raise EpfuseError(f"--scenario: {err}") from None
+    if args.prompt_len is not None:
+        kwargs["prompt_len"] = args.prompt_len
+    models = load_pair(args.original, args.optimized)
+    try:
+        result = compare_or_explain(args.original, models, **kwargs)
+    except EpfuseError as err:
+        if args.prompt_len is not None and "positions" in str(err):
+            raise EpfuseError(f"--prompt-len {args.prompt_len}: {err}") from None
+        raise
+    print_result(args, result)
     if result.passed:
         print("\nPASS")
         return 0

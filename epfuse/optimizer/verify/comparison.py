@@ -50,6 +50,10 @@ class VerificationResult:
     dtype: str
     tolerance: Tolerance
     scenarios: list[ScenarioResult]
+    roles: tuple[str, str] = ("", "")
+    """What each model's inputs and outputs were matched to (original, optimized)."""
+    limits: str = ""
+    """The windows, thresholds and position limit read from both graphs."""
 
     @property
     def passed(self) -> bool:

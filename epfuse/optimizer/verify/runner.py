@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -28,10 +29,16 @@ from .feeds import (
     position_feed,
     text_positions,
 )
+from .limits import check_length, default_lengths, read_limits
 from .roles import _elem_type, discover_io
 from .scenarios import SCENARIOS, Scenario, _scenario_seed, builtin_scenarios
 
 ModelLike = str | os.PathLike | onnx.ModelProto | Any  # Any: an onnx_ir.Model
+OPTIMIZED_FAILED = "optimized model failed to run in scenario"
+
+
+class LengthError(ValueError):
+    """A scenario needs more positions than the models can take (cos/sin cache rows...)."""
 
 
 def _to_proto(model: ModelLike) -> onnx.ModelProto:
@@ -99,12 +106,19 @@ class _Runner:
         self.io = discover_io(proto)
         self.position_streams = position_streams or text_positions
         proto = _float32_boundary(proto)
+        self.proto = proto
         if session_options is None:
+            # FATAL only: a failing kernel's error comes back as the exception, which the
+            # result reports in one line; ORT's own (colored, multi-line) log would repeat it.
             session_options = ort.SessionOptions()
-            session_options.log_severity_level = 3
+            session_options.log_severity_level = 4
         self.session = ort.InferenceSession(
             proto.SerializeToString(), sess_options=session_options, providers=list(providers)
         )
+        self.run_options = ort.RunOptions()
+        self.run_options.log_severity_level = 4
+        self.embed_table: np.ndarray | None = None
+        """For an ``inputs_embeds`` model: token id -> embedding (shared by both models)."""
 
     def run(
         self,
@@ -114,7 +128,12 @@ class _Runner:
         past: Sequence[np.ndarray] | None,
     ) -> tuple[np.ndarray, list[np.ndarray]]:
         io = self.io
-        feed: dict[str, np.ndarray] = {io.input_ids: input_ids.astype(io.input_ids_dtype)}
+        if io.token_kind == "embeds":
+            assert self.embed_table is not None
+            tokens = self.embed_table[input_ids].astype(_feed_float(io.dtype))
+        else:
+            tokens = input_ids.astype(io.input_ids_dtype)
+        feed: dict[str, np.ndarray] = {io.input_ids: tokens}
         if io.attention_mask is not None:
             feed[io.attention_mask] = attention_mask.astype(io.attention_mask_dtype)
         if io.position_ids is not None:
@@ -127,7 +146,7 @@ class _Runner:
                 value = past[i]
             feed[spec.past] = value.astype(_feed_float(io.dtype))
         names = [io.logits] + [spec.present for spec in io.kv if spec.present]
-        outs = self.session.run(names, feed)
+        outs = self.session.run(names, feed, self.run_options)
         return outs[0], list(outs[1:])
 
 
@@ -152,7 +171,7 @@ def _compare_step(
             case.input_ids, case.attention_mask, case.position_ids, past
         )
     except Exception as exc:
-        result.error = f"optimized model failed: {type(exc).__name__}: {_first_line(exc)}"
+        result.error = f"{OPTIMIZED_FAILED} {scenario}: {_first_line(exc)}"
         return result
 
     def valid_rows(x: np.ndarray, axis: int, offset: int) -> np.ndarray:
@@ -195,9 +214,9 @@ def compare_models(
     optimized: ModelLike,
     *,
     scenarios: Iterable[str | Scenario] = SCENARIOS,
-    prompt_len: int = 7,
-    decode_past_len: int = 6,
-    chunk_past_len: int = 5,
+    prompt_len: int | None = None,
+    decode_past_len: int | None = None,
+    chunk_past_len: int | None = None,
     chunk_len: int = 3,
     padded_lens: tuple[int, ...] | None = None,
     padded_decode_lens: tuple[int, ...] | None = None,
@@ -218,7 +237,22 @@ def compare_models(
     ``tolerance`` overrides the dtype's entry in :data:`epfuse.optimizer.tolerances.TOLERANCES`.
     ``position_streams`` maps the scenario's (batch, seq) positions to (3, batch, seq) mRoPE
     streams for a model whose position input has that shape (default :func:`text_positions`).
+
+    Lengths left as None are read from both graphs (:mod:`.limits`): past every sliding
+    window and length threshold, within the positions the models take. A scenario that needs
+    more positions than that raises :class:`LengthError`.
     """
+    ref_proto, opt_proto = _to_proto(original), None
+    with contextlib.suppress(Exception):  # reported below as a model that does not load
+        opt_proto = _to_proto(optimized)
+    limits = read_limits(ref_proto, opt_proto)
+    lengths = default_lengths(limits, padded_decode_steps)
+    if prompt_len is None:
+        prompt_len = lengths["prompt_len"]
+        decode_past_len = decode_past_len or lengths["decode_past_len"]
+        chunk_past_len = chunk_past_len or lengths["chunk_past_len"]
+    decode_past_len = decode_past_len or max(1, prompt_len - 1)
+    chunk_past_len = chunk_past_len or max(1, prompt_len - 2)
     named = builtin_scenarios(
         prompt_len,
         decode_past_len,
@@ -239,10 +273,19 @@ def compare_models(
             unknown.append(item)
     if unknown:
         raise ValueError(f"unknown scenarios {unknown}; known: {SCENARIOS}")
+    for scenario in plan:
+        why = check_length(limits, scenario_positions(scenario), f"scenario {scenario.name}")
+        if why:
+            raise LengthError(why)
 
-    ref = _Runner(original, providers, session_options, position_streams)
+    ref = _Runner(ref_proto, providers, session_options, position_streams)
     try:
-        opt = _Runner(optimized, providers, session_options, position_streams)
+        opt = _Runner(
+            opt_proto if opt_proto is not None else optimized,
+            providers,
+            session_options,
+            position_streams,
+        )
     except Exception as exc:
         # A model that does not load (e.g. an unknown attribute) is a failed verification.
         message = f"optimized model failed to load: {type(exc).__name__}: {_first_line(exc)}"
@@ -258,15 +301,39 @@ def compare_models(
         )
     if ref.io.dtype != opt.io.dtype:
         raise ValueError(f"dtype differs: original {ref.io.dtype}, optimized {opt.io.dtype}")
+    if ref.io.token_kind != opt.io.token_kind:
+        raise ValueError(
+            f"original takes {ref.io.token_kind} ({ref.io.input_ids}), optimized takes "
+            f"{opt.io.token_kind} ({opt.io.input_ids})"
+        )
     tol = tolerance or tolerance_for(ref.io.dtype)
     vocab = ref.io.vocab_size or opt.io.vocab_size or 32
+    if ref.io.token_kind == "embeds":
+        # Token ids -> fixed unit-scale embeddings, so that scenarios stay token-based.
+        table = np.random.default_rng([seed, 7]).standard_normal((vocab, ref.io.hidden_size))
+        ref.embed_table = opt.embed_table = table.astype(np.float32)
     has_cache = all(spec.present for spec in ref.io.kv) and ref.io.has_cache
 
     results = []
     for scenario in plan:
         rng = np.random.default_rng([seed, _scenario_seed(scenario.name)])
         results.append(_run_scenario(scenario, rng, ref, opt, tol, vocab, has_cache))
-    return VerificationResult(dtype=ref.io.dtype, tolerance=tol, scenarios=results)
+    return VerificationResult(
+        dtype=ref.io.dtype,
+        tolerance=tol,
+        scenarios=results,
+        roles=(ref.io.describe(), opt.io.describe()),
+        limits=limits.describe(),
+    )
+
+
+def scenario_positions(scenario: Scenario) -> int:
+    """The most positions (past + new) a scenario's steps reach."""
+    if scenario.kind == "prompt":
+        return max(scenario.lens)
+    if scenario.kind == "padded_decode":
+        return max(scenario.lens) + scenario.steps
+    return scenario.past_len + scenario.new_len
 
 
 def _run_scenario(
@@ -359,7 +426,7 @@ def _padded_decode(
     try:
         opt_out = steps(opt, None)
     except Exception as exc:
-        result.error = f"optimized model failed: {type(exc).__name__}: {_first_line(exc)}"
+        result.error = f"{OPTIMIZED_FAILED} {name}: {_first_line(exc)}"
         return result
     logits = ref.io.logits
     for t in range(1, scenario.steps + 1):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -68,6 +69,40 @@ class Scenario:
     ) -> Scenario:
         lens = tuple(int(n) for n in lens)
         return cls(name or f"padded_decode{list(lens)}x{steps}", "padded_decode", lens, steps=steps)
+
+
+_PARSE = (
+    (re.compile(r"prompt\[([\d, ]+)\]"), "prompt"),
+    (re.compile(r"(?:decode|chunk)\[b=(\d+),past=(\d+),new=(\d+)\]"), "continue"),
+    (re.compile(r"padded_decode\[([\d, ]+)\]x(\d+)"), "padded_decode"),
+)
+
+
+def parse_scenario(text: str) -> Scenario:
+    """The scenario a default name stands for (``prompt[5, 3]``, ``decode[b=2,past=9,new=1]``,
+    ``chunk[b=1,past=4,new=3]``, ``padded_decode[9, 4]x2``): the name also seeds its inputs,
+    so ``epfuse verify --scenario NAME --seed S`` replays exactly what ``epfuse fuzz`` ran."""
+    text = text.strip()
+    for pattern, kind in _PARSE:
+        match = pattern.fullmatch(text)
+        if match is None:
+            continue
+        if kind == "prompt":
+            return Scenario.prompt(_ints(match.group(1)))
+        if kind == "padded_decode":
+            return Scenario.padded_decode(_ints(match.group(1)), int(match.group(2)))
+        batch, past, new = (int(g) for g in match.groups())
+        scenario = Scenario.continuation(batch, past, new)
+        if scenario.name == text:
+            return scenario
+    raise ValueError(
+        f"cannot read scenario {text!r}: expected prompt[L1, L2, ...], "
+        "decode[b=B,past=P,new=1], chunk[b=B,past=P,new=N] or padded_decode[L1, L2, ...]xSTEPS"
+    )
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.replace(" ", "").split(",") if x]
 
 
 def builtin_scenarios(

@@ -16,12 +16,26 @@ def format_result(result: VerificationResult) -> str:
         f"ratio = max|d| / (atol + rtol*|ref|), pass if <= 1)"
     )
     rows = [("scenario", "output", "shape", "max_abs", "max_rel", "ratio", "ok")]
+    # Reasons and errors are footnotes below the table: a column padded to a 180-character
+    # message would push every number off the screen.
+    notes: list[str] = []
+    errors: list[str] = []  # one line each, as is (an ORT error's first line)
+
+    def footnote(text: str) -> str:
+        if text not in notes:
+            notes.append(text)
+        return f"[{notes.index(text) + 1}]"
+
     for s in result.scenarios:
         if s.skipped is not None:
-            rows.append((s.name, f"skipped: {s.skipped}", "", "", "", "", "-"))
+            rows.append(
+                (s.name, f"skipped {footnote(f'skipped: {s.skipped}')}", "", "", "", "", "-")
+            )
             continue
         if s.error is not None:
-            rows.append((s.name, f"ERROR: {s.error}", "", "", "", "", "FAIL"))
+            if s.error not in errors:
+                errors.append(s.error)
+            rows.append((s.name, "ERROR (below)", "", "", "", "", "FAIL"))
             continue
         for c in _summarise(s.comparisons):
             rows.append(
@@ -41,6 +55,8 @@ def format_result(result: VerificationResult) -> str:
         lines.append("  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)))
         if j == 0:
             lines.append("  ".join("-" * w for w in widths))
+    lines.extend(f"[{i}] {text}" for i, text in enumerate(notes, 1))
+    lines.extend(errors)
     return "\n".join(line.rstrip() for line in lines)
 
 
