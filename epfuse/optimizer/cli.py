@@ -4,12 +4,13 @@
                     [--max-seq-len N] [--verify] [--require-fusion] [--genai [--hf-config DIR]]
                     [--int4-block-size N] [--int4-asymmetric] [--int4-accuracy-level N]
                     [--int4-no-lm-head] [--int4-embeddings]
-    epfuse verify ORIGINAL OPTIMIZED [--prompt-len N]
+    epfuse verify ORIGINAL OPTIMIZED [--prompt-len N] [--scenario NAME ...] [--seed S]
+    epfuse fuzz ORIGINAL OPTIMIZED [--examples N] [--seed S] [--deadline SECONDS] [--max-len L]
     epfuse capabilities [--ep EP] [--probe]
 
 Every failure is one line on stderr and a non-zero exit: 1 for bad input or a model epfuse
 cannot handle, 2 for bad usage, 3 for an internal error (``--debug`` shows the traceback),
-4 when ``epfuse verify`` finds the models not equivalent.
+4 when ``epfuse verify`` or ``epfuse fuzz`` finds the models not equivalent.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from epfuse.errors import EpfuseError
 from epfuse.optimizer.precision import PRECISIONS, Int4Options
 from epfuse.optimizer.precision import normalize as normalize_precision
 from epfuse.optimizer.verify.cli import add_verify_command
+from epfuse.optimizer.verify.fuzz_cli import add_fuzz_command
 
 EXIT_INPUT, EXIT_USAGE, EXIT_INTERNAL, EXIT_NOT_EQUIVALENT = 1, 2, 3, 4
 
@@ -137,6 +139,7 @@ def _parser() -> argparse.ArgumentParser:
     opt.set_defaults(handler=_optimize)
 
     add_verify_command(sub)
+    add_fuzz_command(sub)
 
     caps = sub.add_parser("capabilities", help="print what each execution provider supports")
     caps.add_argument("--ep", help="only this execution provider")

@@ -20,10 +20,11 @@ draw them). Logits are compared on valid rows ``(b, :L_b)`` and present K/V on v
 :mod:`epfuse.optimizer.tolerances`. A model without past inputs or present outputs is compared
 on prompt scenarios only (the others are reported as skipped).
 
-Model I/O is discovered from each graph by role, so the optimized model may rename inputs:
-``input_ids`` (token input), ``attention_mask``, optional ``position_ids``, past inputs (rank-4
-inputs whose names contain "past", in graph order) paired with present outputs (rank-4 outputs
-whose names contain "present", in graph order), and ``logits`` (the remaining output).
+Model I/O is discovered from each graph by role, by shape, type and consumer (not by name), so
+either model may rename inputs (:func:`discover_io`): the token input (or ``inputs_embeds``),
+the mask, optional positions, past K/V inputs paired with present outputs, and the logits.
+Default lengths are read from both graphs (:mod:`.limits`): past every sliding window and
+length threshold, within the positions the models take.
 
 A position input of shape (3, batch, seq) (mRoPE: temporal, height, width streams) is fed
 ``position_streams(position_ids)`` for the scenario's 2-D token positions, by default the
@@ -38,13 +39,15 @@ from __future__ import annotations
 from .comparison import OutputComparison, ScenarioResult, VerificationResult
 from .feeds import PositionStreams, position_feed, text_positions
 from .roles import KVSpec, ModelIO, discover_io
-from .runner import ModelLike, assert_equivalent, compare_models
+from .runner import Comparator, LengthError, ModelLike, assert_equivalent, compare_models
 from .scenarios import SCENARIO_KINDS, SCENARIOS, Scenario, builtin_scenarios
 
 __all__ = [
     "SCENARIOS",
     "SCENARIO_KINDS",
+    "Comparator",
     "KVSpec",
+    "LengthError",
     "ModelIO",
     "ModelLike",
     "OutputComparison",

@@ -190,8 +190,9 @@ def discover_io(model: onnx.ModelProto) -> ModelIO:
       model without one takes ``inputs_embeds``: a rank-3 float input (batch, seq, hidden);
     - mask vs positions (the other rank-2 integer inputs): positions share the tokens'
       sequence dim or feed RoPE (RotaryEmbedding, GQA's position input, Cos/Sin, a table
-      gather); the mask has the total length or is reduced/cast to bool; names decide only
-      where neither tells; a (3, batch, seq) integer input is mRoPE positions;
+      gather); the mask is reduced to lengths or cast to bool; where consumers do not tell,
+      the name (``mask``/``pos``), then the dims (the mask spans past + new tokens); a
+      (3, batch, seq) integer input is mRoPE positions;
     - past K/V: rank-4 float inputs, presents: rank-4 float outputs, paired in (layer,
       key/value) order when the names say it, else in graph order;
     - logits: the remaining output (the rank-3 one, or the one named ``logits``).
@@ -258,11 +259,11 @@ def discover_io(model: onnx.ModelProto) -> ModelIO:
     for vi in [vi for vi in ints2 if vi is not ids]:
         dim = (_dims(vi) or [None, None])[1]
         verdict = g.looks_like_mask(vi.name)
-        if isinstance(seq_dim, str) and isinstance(dim, str) and verdict is None:
-            verdict = dim != seq_dim
         if verdict is None:
             lowered = vi.name.lower()
             verdict = True if "mask" in lowered else False if "pos" in lowered else None
+        if verdict is None and isinstance(seq_dim, str) and isinstance(dim, str):
+            verdict = dim != seq_dim  # the mask spans past + new tokens
         if verdict is True and mask is None:
             mask = vi
         elif verdict is False and pos is None:

@@ -242,11 +242,15 @@ def compare_models(
     window and length threshold, within the positions the models take. A scenario that needs
     more positions than that raises :class:`LengthError`.
     """
-    ref_proto, opt_proto = _to_proto(original), None
-    with contextlib.suppress(Exception):  # reported below as a model that does not load
-        opt_proto = _to_proto(optimized)
-    limits = read_limits(ref_proto, opt_proto)
-    lengths = default_lengths(limits, padded_decode_steps)
+    pair = Comparator(
+        original,
+        optimized,
+        tolerance=tolerance,
+        providers=providers,
+        session_options=session_options,
+        position_streams=position_streams,
+    )
+    lengths = default_lengths(pair.limits, padded_decode_steps)
     if prompt_len is None:
         prompt_len = lengths["prompt_len"]
         decode_past_len = decode_past_len or lengths["decode_past_len"]
@@ -273,58 +277,105 @@ def compare_models(
             unknown.append(item)
     if unknown:
         raise ValueError(f"unknown scenarios {unknown}; known: {SCENARIOS}")
-    for scenario in plan:
-        why = check_length(limits, scenario_positions(scenario), f"scenario {scenario.name}")
-        if why:
-            raise LengthError(why)
+    return pair.run(plan, seed)
 
-    ref = _Runner(ref_proto, providers, session_options, position_streams)
-    try:
-        opt = _Runner(
-            opt_proto if opt_proto is not None else optimized,
-            providers,
-            session_options,
-            position_streams,
+
+class Comparator:
+    """Both models loaded once (ORT sessions, roles, lengths read from the graphs), to be
+    compared over any number of scenario lists: what ``epfuse fuzz`` runs per example.
+
+    Raises ``ValueError`` when the roles of the two models do not match.
+    """
+
+    def __init__(
+        self,
+        original: ModelLike,
+        optimized: ModelLike,
+        *,
+        tolerance: Tolerance | None = None,
+        providers: Sequence[str] = ("CPUExecutionProvider",),
+        session_options: ort.SessionOptions | None = None,
+        position_streams: PositionStreams | None = None,
+    ):
+        ref_proto, opt_proto = _to_proto(original), None
+        with contextlib.suppress(Exception):  # reported as a model that does not load
+            opt_proto = _to_proto(optimized)
+        self.limits = read_limits(ref_proto, opt_proto)
+        self.gqa = any(
+            n.op_type == "GroupQueryAttention"
+            for proto in (ref_proto, opt_proto)
+            if proto is not None
+            for n in proto.graph.node
         )
-    except Exception as exc:
-        # A model that does not load (e.g. an unknown attribute) is a failed verification.
-        message = f"optimized model failed to load: {type(exc).__name__}: {_first_line(exc)}"
-        tol = tolerance or tolerance_for(ref.io.dtype)
+        """Either graph has GroupQueryAttention (ORT CPU's takes chunked prefill at batch 1)."""
+        self.ref = _Runner(ref_proto, providers, session_options, position_streams)
+        self.load_error: str | None = None
+        self.opt: _Runner | None = None
+        self.tolerance = tolerance or tolerance_for(self.ref.io.dtype)
+        try:
+            self.opt = _Runner(
+                opt_proto if opt_proto is not None else optimized,
+                providers,
+                session_options,
+                position_streams,
+            )
+        except Exception as exc:
+            # A model that does not load (e.g. an unknown attribute) is a failed verification.
+            self.load_error = (
+                f"optimized model failed to load: {type(exc).__name__}: {_first_line(exc)}"
+            )
+            return
+        ref, opt = self.ref, self.opt
+        if len(ref.io.kv) != len(opt.io.kv):
+            raise ValueError(
+                f"original has {len(ref.io.kv)} past/present pairs, optimized has {len(opt.io.kv)}"
+            )
+        if ref.io.dtype != opt.io.dtype:
+            raise ValueError(f"dtype differs: original {ref.io.dtype}, optimized {opt.io.dtype}")
+        if ref.io.token_kind != opt.io.token_kind:
+            raise ValueError(
+                f"original takes {ref.io.token_kind} ({ref.io.input_ids}), optimized takes "
+                f"{opt.io.token_kind} ({opt.io.input_ids})"
+            )
+        self.vocab = ref.io.vocab_size or opt.io.vocab_size or 32
+
+    @property
+    def has_cache(self) -> bool:
+        return all(spec.present for spec in self.ref.io.kv) and self.ref.io.has_cache
+
+    def run(self, plan: Sequence[Scenario], seed: int = 0) -> VerificationResult:
+        """Compare over ``plan``; inputs depend only on (seed, scenario name)."""
+        for scenario in plan:
+            why = check_length(
+                self.limits, scenario_positions(scenario), f"scenario {scenario.name}"
+            )
+            if why:
+                raise LengthError(why)
+        ref, opt, tol = self.ref, self.opt, self.tolerance
+        if opt is None:
+            return VerificationResult(
+                dtype=ref.io.dtype,
+                tolerance=tol,
+                scenarios=[ScenarioResult(s.name, error=self.load_error) for s in plan],
+                roles=(ref.io.describe(), ""),
+                limits=self.limits.describe(),
+            )
+        if ref.io.token_kind == "embeds":
+            # Token ids -> fixed unit-scale embeddings, so that scenarios stay token-based.
+            rng = np.random.default_rng([seed, 7])
+            table = rng.standard_normal((self.vocab, ref.io.hidden_size))
+            ref.embed_table = opt.embed_table = table.astype(np.float32)
+        results = []
+        for scenario in plan:
+            rng = np.random.default_rng([seed, _scenario_seed(scenario.name)])
+            results.append(_run_scenario(scenario, rng, ref, opt, tol, self.vocab, self.has_cache))
         return VerificationResult(
             dtype=ref.io.dtype,
             tolerance=tol,
-            scenarios=[ScenarioResult(s.name, error=message) for s in plan],
+            scenarios=results,
+            roles=(ref.io.describe(), opt.io.describe()),
+            limits=self.limits.describe(),
         )
-    if len(ref.io.kv) != len(opt.io.kv):
-        raise ValueError(
-            f"original has {len(ref.io.kv)} past/present pairs, optimized has {len(opt.io.kv)}"
-        )
-    if ref.io.dtype != opt.io.dtype:
-        raise ValueError(f"dtype differs: original {ref.io.dtype}, optimized {opt.io.dtype}")
-    if ref.io.token_kind != opt.io.token_kind:
-        raise ValueError(
-            f"original takes {ref.io.token_kind} ({ref.io.input_ids}), optimized takes "
-            f"{opt.io.token_kind} ({opt.io.input_ids})"
-        )
-    tol = tolerance or tolerance_for(ref.io.dtype)
-    vocab = ref.io.vocab_size or opt.io.vocab_size or 32
-    if ref.io.token_kind == "embeds":
-        # Token ids -> fixed unit-scale embeddings, so that scenarios stay token-based.
-        table = np.random.default_rng([seed, 7]).standard_normal((vocab, ref.io.hidden_size))
-        ref.embed_table = opt.embed_table = table.astype(np.float32)
-    has_cache = all(spec.present for spec in ref.io.kv) and ref.io.has_cache
-
-    results = []
-    for scenario in plan:
-        rng = np.random.default_rng([seed, _scenario_seed(scenario.name)])
-        results.append(_run_scenario(scenario, rng, ref, opt, tol, vocab, has_cache))
-    return VerificationResult(
-        dtype=ref.io.dtype,
-        tolerance=tol,
-        scenarios=results,
-        roles=(ref.io.describe(), opt.io.describe()),
-        limits=limits.describe(),
-    )
 
 
 def scenario_positions(scenario: Scenario) -> int:
