@@ -38,14 +38,23 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from hypothesis import note
 from hypothesis import strategies as st
 
-from epfuse.optimizer.verify import Comparator, Scenario
+from epfuse.optimizer.verify import Comparator, Scenario, compare_models
 from epfuse.optimizer.verify.limits import default_lengths
+
+from .model_builder import DecoderConfig, build_decoder
 
 MIN_MAX_LEN = 12
 """Drawn prompt and past lengths reach at least this far (the project's historical range)."""
 MAX_STEPS = 2  # decode steps after a padded prompt
+MAX_NEW = 5  # new tokens of a chunked prefill
+
+# head_dim: 16 and 32 take GQA with fused RoPE on CPU; 8 and 24 are GQA-legal (multiple of 8)
+# but not for fused rotary (head_size % 16), so RoPE must stay outside. The fused sizes are
+# listed twice: drawn twice as often, since most rewrite logic (fused rotary) lives there.
+HEAD_DIMS = (16, 32, 16, 32, 8, 24)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,7 +64,8 @@ class ModelSignature:
     has_cache: bool = True
     """Past inputs and present outputs: decode, chunked prefill and padded decode are drawn."""
     max_len: int = MIN_MAX_LEN
-    """No drawn scenario reaches more positions than this."""
+    """Longest drawn prompt or past; a chunk adds up to 5 new tokens, a padded prompt 2
+    decode steps (so no scenario needs more than ``max_len + 5`` positions)."""
     chunk_batch: int = 1
     """Largest batch of a chunked prefill (ORT CPU's GroupQueryAttention takes 1)."""
     max_batch: int = 3
@@ -73,7 +83,7 @@ class ModelSignature:
         longest = max(limits.longest + 4, MIN_MAX_LEN, default_lengths(limits)["prompt_len"] + 1)
         reach = max_len if max_len is not None else longest
         if limits.max_positions is not None:
-            reach = min(reach, limits.max_positions)
+            reach = min(reach, limits.max_positions - MAX_NEW)
         return cls(
             has_cache=pair.has_cache,
             max_len=max(1, reach),
@@ -97,24 +107,24 @@ def _lens(sig: ModelSignature, batch: int, high: int) -> st.SearchStrategy[tuple
 @st.composite
 def scenarios(draw: st.DrawFn, signature: ModelSignature | None = None) -> Scenario:
     """One in-contract scenario for ``signature`` (default: the project's small decoders):
-    a right-padded prompt, decode on a real past, chunked prefill or decode after a padded
-    prompt; batch 1..max_batch; past and prompt lengths including 0 and 1."""
+    a right-padded prompt, decode on a real past, chunked prefill (batch up to
+    ``chunk_batch``) or decode after a padded prompt; batch 1..max_batch; past and prompt
+    lengths including 0 and 1."""
     sig = signature or ModelSignature()
     kinds = ("prompt", "decode", "chunk", "padded_decode") if sig.has_cache else ("prompt",)
     kind = draw(st.sampled_from(kinds))
     batch = draw(st.integers(1, sig.max_batch))
     top = sig.max_len
-    if kind == "prompt" or top < 2:
+    if kind == "prompt":
         return Scenario.prompt(draw(_lens(sig, batch, top)))
     if kind == "decode":
-        return Scenario.continuation(batch, draw(_length(sig, 0, top - 1)), 1)
-    if kind == "chunk" and top >= 3:
+        return Scenario.continuation(batch, draw(_length(sig, 0, top)), 1)
+    if kind == "chunk":
         batch = draw(st.integers(1, sig.chunk_batch))
-        new = draw(st.integers(2, min(5, top)))
-        return Scenario.continuation(batch, draw(_length(sig, 0, top - new)), new)
-    steps = draw(st.integers(1, MAX_STEPS))
-    lens = draw(_lens(sig, max(batch, 2), max(1, top - steps)))
-    return Scenario.padded_decode(lens, steps=steps)
+        past = draw(_length(sig, 0, top))
+        return Scenario.continuation(batch, past, draw(st.integers(2, MAX_NEW)))
+    lens = draw(_lens(sig, max(batch, 2), top))
+    return Scenario.padded_decode(lens, steps=draw(st.integers(1, MAX_STEPS)))
 
 
 def scenario_lists(
@@ -136,3 +146,55 @@ def scenario_lists(
 def seeds() -> st.SearchStrategy[int]:
     """Seeds of the token ids (uniform over the vocabulary, per scenario name)."""
     return st.integers(0, 2**31 - 1)
+
+
+# ------------------------------------------------------- the project's own decoder configs
+
+
+@st.composite
+def decoder_configs(
+    draw: st.DrawFn,
+    dtypes: tuple[str, ...] = ("float32", "float16"),
+    styles: tuple[str, ...] = ("torch23", "mobius"),
+    max_layers: int = 3,
+    head_dims: tuple[int, ...] = HEAD_DIMS,
+    rotary_dims: tuple[int, ...] = (8, 16),
+) -> DecoderConfig:
+    """A small decoder (:class:`epfuse.testing.model_builder.DecoderConfig`; its repr is
+    the reproducible form hypothesis prints, paste it into ``build_decoder(...)``): 1-3
+    layers, GQA/MQA/MHA head layouts, full/partial/interleaved RoPE, softcap, sliding window,
+    either graph style, fp32 or fp16."""
+    kv_heads = draw(st.sampled_from((1, 2, 4)))
+    group = draw(st.sampled_from((1, 2, 4)).filter(lambda g, kv=kv_heads: kv * g <= 8))
+    head_dim = draw(st.sampled_from(head_dims))
+    partial = [r for r in rotary_dims if r < head_dim]
+    rotary_dim = draw(st.sampled_from((None, *partial))) if partial else None
+    return DecoderConfig(
+        layers=draw(st.integers(1, max_layers)),
+        heads=kv_heads * group,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        rotary_dim=rotary_dim,
+        interleaved=draw(st.booleans()),
+        softcap=draw(st.sampled_from((0.0, 0.0, 2.0, 30.0))),
+        sliding_window=draw(st.one_of(st.none(), st.integers(1, 8))),
+        vocab=64,
+        intermediate=32,
+        dtype=draw(st.sampled_from(dtypes)),
+        style=draw(st.sampled_from(styles)),
+        seed=draw(st.integers(0, 3)),
+    )
+
+
+def check_equivalent(cfg: DecoderConfig, ep: str, cases: list[Scenario]) -> None:
+    """The property suite's property: build ``cfg``, optimize for ``ep``, compare on
+    ``cases``. Fails with the comparison table; the notes (printed by hypothesis with the
+    falsifying example) hold the reproducible config and the optimization report."""
+    import epfuse
+
+    original = build_decoder(cfg)
+    optimized, report = epfuse.optimize_with_report(original, ep, precision=cfg.dtype)
+    note(f"reproduce: build_decoder({cfg!r}), optimize for {ep!r}")
+    note(report.summary())
+    result = compare_models(original, optimized, scenarios=cases)
+    assert result.passed, f"{cfg!r} on {ep}:\n{result}"

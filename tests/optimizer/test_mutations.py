@@ -18,7 +18,6 @@ from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 from model_builder import DecoderConfig, build_decoder
 from onnx import helper, numpy_helper
-from strategies import check_equivalent, decoder_configs, scenario_lists
 
 import epfuse
 import epfuse.optimizer.api as api
@@ -28,6 +27,7 @@ from epfuse.optimizer.verify import compare_models
 from epfuse.patterns import RULES, Rewritten
 from epfuse.patterns._graph import Builder
 from epfuse.patterns.lower.gqa import AttentionToGQA
+from epfuse.testing.strategies import check_equivalent, decoder_configs, scenario_lists
 
 
 def _copy(model: onnx.ModelProto) -> onnx.ModelProto:

@@ -16,7 +16,8 @@ from __future__ import annotations
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from strategies import check_equivalent, decoder_configs, scenario_lists
+
+from epfuse.testing.strategies import check_equivalent, decoder_configs, scenario_lists
 
 EPS = {
     "cpu": {"dtypes": ("float32", "float16")},

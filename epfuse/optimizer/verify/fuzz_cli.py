@@ -57,8 +57,8 @@ def add_fuzz_command(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
         type=int,
         default=None,
         metavar="L",
-        help="longest drawn sequence (default: 4 past the longest window or threshold, at "
-        "least 12, within the models' positions)",
+        help="longest drawn prompt or past (a chunk adds up to 5 tokens; default: 4 past the "
+        "longest window or threshold, at least 12, within the models' positions)",
     )
     fz.add_argument("--json", metavar="FILE", help="also write the result as JSON")
     fz.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
