@@ -250,12 +250,16 @@ def test_fused_qkv_split_needs_no_layout_ops(family):
         assert [producers[i].op_type for i in node.input[:3]] == ["Slice"] * 3
 
 
-@pytest.mark.parametrize("family", ["gemma2", "mistral"], indirect=True)
-def test_default_verify_catches_a_lost_window(family, tmp_path, capsys):
-    """The defect peers ship (mobius' cpu build of Gemma-2): the window dropped from every
-    layer, here GQA's ``local_window_size`` set to -1 in the epfuse output. The default
-    ``epfuse verify`` reads the window from the export's evaluated mask and runs past it."""
+@pytest.mark.parametrize("family", ["gemma2", "mistral", "gemma3"], indirect=True)
+def test_default_verify_and_fuzz_catch_a_lost_window(family, tmp_path, capsys):
+    """The defect peers ship (mobius' cpu builds of Gemma-2/Gemma-3): the window dropped from
+    every sliding layer, here GQA's ``local_window_size`` set to -1 in the epfuse output. The
+    default ``epfuse verify`` reads the window from the export's evaluated mask and runs past
+    it; ``epfuse fuzz`` passes the honest rewrite and shrinks the defect to a replay."""
     from epfuse.optimizer.cli import main
+    from epfuse.optimizer.verify import compare_models
+    from epfuse.optimizer.verify.scenarios import parse_scenario
+    from epfuse.testing.fuzz import fuzz_models
 
     _, exported = family
     mutant = onnx.ModelProto.FromString(exported.optimized.SerializeToString())
@@ -273,3 +277,11 @@ def test_default_verify_catches_a_lost_window(family, tmp_path, capsys):
     out = capsys.readouterr().out
     assert f"sliding window {W}" in out
     assert "FAIL (prompt" in out.splitlines()[-1]
+
+    assert fuzz_models(exported.original, exported.optimized, examples=40, budget=50).passed
+    caught = fuzz_models(exported.original, mutant, budget=50)
+    assert not caught.passed
+    failure = caught.failure
+    assert len(failure.scenarios) == 1  # shrunk
+    cases = [parse_scenario(s.name) for s in failure.scenarios]
+    assert not compare_models(exported.original, mutant, scenarios=cases, seed=failure.seed)

@@ -77,12 +77,8 @@ def _assert_caught(original, mutant, **kwargs) -> list[str]:
 # --------------------------------------------------------------------------------- masks
 
 
-def test_seqlens_k_total_minus_one_for_every_row_is_caught():
-    """The padding mask is dropped: GQA's seqlens_k = total - 1 for all rows.
-
-    Only decode after a padded prompt can show this on valid rows (causality hides padded
-    keys in a right-padded prompt), which is why the harness has that scenario.
-    """
+def mutant_padding_dropped() -> tuple[onnx.ModelProto, onnx.ModelProto]:
+    """GQA's seqlens_k = total - 1 for every row: the padding mask is lost."""
     original, mutant = _optimized(DecoderConfig(layers=2))
     g = mutant.graph
     g.initializer.append(numpy_helper.from_array(np.array(1, np.int32), "mut_one"))
@@ -95,29 +91,48 @@ def test_seqlens_k_total_minus_one_for_every_row_is_caught():
     )
     for node in _gqa(mutant):
         node.input[5] = "mut_seqlens"
-    mutant = _sorted(mutant)
+    return original, _sorted(mutant)
+
+
+def test_seqlens_k_total_minus_one_for_every_row_is_caught():
+    """The padding mask is dropped: GQA's seqlens_k = total - 1 for all rows.
+
+    Only decode after a padded prompt can show this on valid rows (causality hides padded
+    keys in a right-padded prompt), which is why the harness has that scenario.
+    """
+    original, mutant = mutant_padding_dropped()
     assert _assert_caught(original, mutant) == ["padded_decode"]
 
 
 def test_attention_without_mask_is_caught():
     """The standard-ONNX output (``default`` EP) loses the Attention mask input."""
+    original, mutant = mutant_attention_without_mask()
+    assert _assert_caught(original, mutant) == ["padded_decode"]
+
+
+def mutant_attention_without_mask() -> tuple[onnx.ModelProto, onnx.ModelProto]:
     original, mutant = _optimized(DecoderConfig(style="mobius", layers=2), ep="default")
     for node in mutant.graph.node:
         if node.op_type == "Attention":
             node.input[3] = ""  # is_causal=1 stays: only the padding is lost
-    assert _assert_caught(original, mutant) == ["padded_decode"]
+    return original, mutant
 
 
 def test_seqlens_k_equal_to_length_is_caught():
     """seqlens_k = ReduceSum(mask) instead of ReduceSum(mask) - 1."""
+    original, mutant = mutant_seqlens_equal_to_length()
+    failed = _assert_caught(original, mutant)
+    assert "prompt" in failed and "decode" in failed
+
+
+def mutant_seqlens_equal_to_length() -> tuple[onnx.ModelProto, onnx.ModelProto]:
     original, mutant = _optimized(DecoderConfig(layers=2))
     cast = _producer(mutant, "epfuse_seqlens_k")
     sub = _producer(mutant, cast.input[0])
     assert sub.op_type == "Sub"
     mutant.graph.initializer.append(numpy_helper.from_array(np.array(0, np.int64), "mut_zero"))
     sub.input[1] = "mut_zero"
-    failed = _assert_caught(original, mutant)
-    assert "prompt" in failed and "decode" in failed
+    return original, mutant
 
 
 # ---------------------------------------------------------------------------------- RoPE
@@ -127,6 +142,11 @@ def test_seqlens_k_equal_to_length_is_caught():
 def test_lost_interleaved_is_caught(ep):
     """cpu: GQA's rotary_interleaved flipped; dml: the RotaryEmbedding left outside GQA loses
     interleaved (the mobius rewriter's defect when it splits RoPE out for DML)."""
+    original, mutant = mutant_lost_interleaved(ep)
+    assert "prompt" in _assert_caught(original, mutant)
+
+
+def mutant_lost_interleaved(ep: str = "cpu") -> tuple[onnx.ModelProto, onnx.ModelProto]:
     original, mutant = _optimized(DecoderConfig(interleaved=True, layers=2), ep=ep)
     touched = 0
     for node in mutant.graph.node:
@@ -137,7 +157,7 @@ def test_lost_interleaved_is_caught(ep):
             _set_attr(node, "interleaved", 0)
             touched += 1
     assert touched
-    assert "prompt" in _assert_caught(original, mutant)
+    return original, mutant
 
 
 def test_fused_rotary_on_non_contiguous_positions_is_caught():
@@ -156,14 +176,27 @@ def test_fused_rotary_on_non_contiguous_positions_is_caught():
     assert all("RoPE positions are computed" in " ".join(x.notes) for x in report.layers)
     assert compare_models(original, correct).passed
     # ... while fusing it is the defect.
-    mutant = epfuse.optimize(build_decoder(cfg), "cpu")
+    original, mutant = mutant_fused_rotary_on_doubled_positions()
     assert {_attr(n, "do_rotary") for n in _gqa(mutant)} == {1}
-    mutant.graph.initializer.append(numpy_helper.from_array(np.array(2, np.int64), "two"))
-    mutant.graph.node.insert(0, helper.make_node("Mul", ["position_ids", "two"], ["pos2"]))
-    for node in _gqa(mutant):
-        node.input[9] = "pos2"
     failed = _assert_caught(original, mutant)
     assert "prompt" in failed and "padded" in failed
+
+
+def _doubled_positions(model: onnx.ModelProto, consumers: str) -> onnx.ModelProto:
+    model.graph.initializer.append(numpy_helper.from_array(np.array(2, np.int64), "two"))
+    model.graph.node.insert(0, helper.make_node("Mul", ["position_ids", "two"], ["pos2"]))
+    for node in model.graph.node:
+        if node.op_type == consumers:
+            node.input[3 if consumers == "RotaryEmbedding" else 9] = "pos2"
+    return model
+
+
+def mutant_fused_rotary_on_doubled_positions() -> tuple[onnx.ModelProto, onnx.ModelProto]:
+    """The original rotates by 2 * position_ids; GQA with do_rotary=1 is handed those ids."""
+    cfg = DecoderConfig(style="mobius", layers=2)
+    original = _doubled_positions(build_decoder(cfg), "RotaryEmbedding")
+    mutant = _doubled_positions(epfuse.optimize(build_decoder(cfg), "cpu"), "GroupQueryAttention")
+    return original, mutant
 
 
 # ------------------------------------------------------------------------ sliding window
@@ -172,12 +205,55 @@ def test_fused_rotary_on_non_contiguous_positions_is_caught():
 @pytest.mark.parametrize("delta", [1, -1])
 @pytest.mark.parametrize("style", ["torch23", "mobius"])
 def test_sliding_window_off_by_one_is_caught(style, delta):
-    original, mutant = _optimized(DecoderConfig(style=style, sliding_window=3, layers=2))
-    for node in _gqa(mutant):
-        assert _attr(node, "local_window_size") == 3
-        _set_attr(node, "local_window_size", 3 + delta)
-    failed = _assert_caught(original, mutant)  # default lengths (7, 6, 5+3) pass the window
+    original, mutant = mutant_window(style, 3, 3 + delta)
+    failed = _assert_caught(original, mutant)  # default lengths pass the window
     assert "prompt" in failed and "decode" in failed
+
+
+def mutant_window(
+    style: str, window: int, new: int, softcap: float = 0.0, layers: int = 2
+) -> tuple[onnx.ModelProto, onnx.ModelProto]:
+    """GQA's local_window_size ``window`` replaced by ``new`` (-1: the window dropped)."""
+    cfg = DecoderConfig(style=style, sliding_window=window, softcap=softcap, layers=layers)
+    original, mutant = _optimized(cfg)
+    for node in _gqa(mutant):
+        assert _attr(node, "local_window_size") == window
+        _set_attr(node, "local_window_size", new)
+    return original, mutant
+
+
+@pytest.mark.parametrize("softcap", [0.0, 5.0], ids=["mistral", "gemma2"])
+def test_dropped_window_longer_than_the_old_default_prompt_is_caught(softcap):
+    """Window 8 > the historical default prompt of 7: mobius' cpu build of Gemma-2 (the
+    window dropped) passed the old defaults; lengths are now read from the graphs."""
+    original, mutant = mutant_window("torch23", 8, -1, softcap)
+    failed = _assert_caught(original, mutant)
+    assert {"prompt", "decode", "chunk"} <= set(failed)
+
+
+# ------------------------------------------------------------------- cos/sin and scale
+
+
+def mutant_swapped_cos_sin() -> tuple[onnx.ModelProto, onnx.ModelProto]:
+    original, mutant = _optimized(DecoderConfig(layers=2))
+    for node in _gqa(mutant):
+        assert _attr(node, "do_rotary")
+        node.input[7], node.input[8] = node.input[8], node.input[7]
+    return original, mutant
+
+
+def mutant_wrong_scale() -> tuple[onnx.ModelProto, onnx.ModelProto]:
+    cfg = DecoderConfig(layers=2)
+    original, mutant = _optimized(cfg)
+    for node in _gqa(mutant):
+        _set_attr(node, "scale", 1.0 / np.sqrt(cfg.head_dim) * 1.25)
+    return original, mutant
+
+
+@pytest.mark.parametrize("make", [mutant_swapped_cos_sin, mutant_wrong_scale])
+def test_cos_sin_and_scale_defects_are_caught(make):
+    original, mutant = make()
+    assert "prompt" in _assert_caught(original, mutant)
 
 
 # --------------------------------------------------------------------------- packed QKV
@@ -202,12 +278,19 @@ def _pack_qkv(model: onnx.ModelProto, transpose_blocks: bool) -> onnx.ModelProto
     return model
 
 
+PACKED_CFG = DecoderConfig(style="mobius", heads=4, kv_heads=4, layers=2)
+
+
+def mutant_transposed_packed_qkv() -> tuple[onnx.ModelProto, onnx.ModelProto]:
+    original, optimized = _optimized(PACKED_CFG, "qnn")
+    return original, _pack_qkv(optimized, transpose_blocks=True)
+
+
 def test_transposed_packed_qkv_weight_is_caught():
     # MHA (square q/k/v blocks) in the mobius form, where q/k/v come straight from MatMul.
     # QNN's record has fused rotary but no packed QKV (the CPU output is already packed), and
     # its output runs on ORT CPU.
-    cfg = DecoderConfig(style="mobius", heads=4, kv_heads=4, layers=2)
-    original, optimized = _optimized(cfg, "qnn")
+    original, optimized = _optimized(PACKED_CFG, "qnn")
     packed = _pack_qkv(optimized, transpose_blocks=False)
     assert compare_models(original, packed).passed  # the packed construction itself is right
     assert _assert_caught(original, _pack_qkv(optimized, transpose_blocks=True)) == [
@@ -306,3 +389,40 @@ def test_property_suite_finds_a_defective_rule(defect, monkeypatch):
     notes = "\n".join(getattr(info.value, "__notes__", []))
     assert "DecoderConfig(" in notes and "Scenario(" in notes
     assert "FAIL" in str(info.value)
+
+
+# ------------------------------------------------------------------------- epfuse fuzz
+
+MUTANTS = {
+    "padding dropped (seqlens_k = total - 1)": mutant_padding_dropped,
+    "Attention mask dropped": mutant_attention_without_mask,
+    "seqlens_k off by one": mutant_seqlens_equal_to_length,
+    "lost interleaving (cpu)": mutant_lost_interleaved,
+    "lost interleaving (dml RotaryEmbedding)": lambda: mutant_lost_interleaved("dml"),
+    "fused rotary on non-contiguous positions": mutant_fused_rotary_on_doubled_positions,
+    "window + 1": lambda: mutant_window("torch23", 3, 4),
+    "window - 1": lambda: mutant_window("mobius", 3, 2),
+    "window dropped (Gemma-2)": lambda: mutant_window("torch23", 8, -1, softcap=5.0),
+    "swapped cos/sin": mutant_swapped_cos_sin,
+    "wrong scale": mutant_wrong_scale,
+    "transposed packed QKV": mutant_transposed_packed_qkv,
+}
+
+
+@pytest.mark.parametrize("defect", list(MUTANTS))
+def test_fuzz_catches_every_defect_with_default_arguments(defect):
+    """``epfuse fuzz``'s defaults (100 examples, 50 s budget) find each injected defect and
+    shrink it to a minimal example whose replay (scenario names + seed) fails again."""
+    from epfuse.optimizer.verify.fuzz_cli import DEFAULT_BUDGET, DEFAULT_EXAMPLES
+    from epfuse.optimizer.verify.scenarios import parse_scenario
+    from epfuse.testing.fuzz import fuzz_models
+
+    original, mutant = MUTANTS[defect]()
+    result = fuzz_models(original, mutant, examples=DEFAULT_EXAMPLES, budget=DEFAULT_BUDGET)
+    assert not result.passed, f"fuzz missed {defect}"
+    failure = result.failure
+    assert len(failure.scenarios) == 1, failure.scenarios  # shrunk to one scenario
+    replay = failure.replay("a.onnx", "b.onnx")
+    assert "--scenario" in replay and f"--seed {failure.seed}" in replay
+    cases = [parse_scenario(s.name) for s in failure.scenarios]
+    assert not compare_models(original, mutant, scenarios=cases, seed=failure.seed).passed
