@@ -55,6 +55,8 @@ def required_flags(node: onnx.NodeProto) -> tuple[str, ...] | None:
             flags.append("gqa.packed_qkv")
         if _present(node, 10):
             flags.append("gqa.attention_bias")
+        if _present(node, 11):
+            flags.append("gqa.head_sink")
         if _present(node, 14) or _present(node, 15):
             flags.append("gqa.qk_norm")
         return tuple(flags)

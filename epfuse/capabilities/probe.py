@@ -73,6 +73,7 @@ EMISSIONS: dict[str, tuple[Emission, ...]] = {
     "gqa.local_window": (Emission(*_GQA, attributes=("local_window_size",)),),
     "gqa.packed_qkv": (Emission(*_GQA, inputs=((0, "query"),)),),
     "gqa.attention_bias": (Emission(*_GQA, inputs=((10, "attention_bias"),)),),
+    "gqa.head_sink": (Emission(*_GQA, inputs=((11, "head_sink"),)),),
     "gqa.qk_norm": (
         Emission(
             *_GQA,
@@ -222,8 +223,9 @@ def _rope(x: np.ndarray, pos: np.ndarray, interleaved: bool, rotary: int = _H) -
     return np.concatenate([out, rest], -1)
 
 
-def _attend(q, k, v, softcap=0.0, window=None):
-    """Causal grouped attention on (B, heads, S, H) float64 arrays."""
+def _attend(q, k, v, softcap=0.0, window=None, sink=None):
+    """Causal grouped attention on (B, heads, S, H) float64 arrays; ``sink`` (heads,) adds
+    ``exp(sink[h])`` to each softmax denominator (an extra, dropped score column)."""
     rep = q.shape[1] // k.shape[1]
     k, v = np.repeat(k, rep, 1), np.repeat(v, rep, 1)
     scores = q @ k.transpose(0, 1, 3, 2) / np.sqrt(q.shape[-1])
@@ -234,8 +236,12 @@ def _attend(q, k, v, softcap=0.0, window=None):
     if window is not None:
         allowed &= j > i - window
     scores = np.where(allowed, scores, -np.inf)
+    if sink is not None:
+        column = np.broadcast_to(sink[None, :, None, None], (*scores.shape[:3], 1))
+        scores = np.concatenate([scores, column], -1)
     p = np.exp(scores - scores.max(-1, keepdims=True))
-    return (p / p.sum(-1, keepdims=True)) @ v
+    p = p / p.sum(-1, keepdims=True)
+    return (p[..., : v.shape[2]] if sink is not None else p) @ v
 
 
 def _rms(x, w, eps):
@@ -256,6 +262,7 @@ def _gqa_case(
     window=None,
     packed=False,
     qk_norm=False,
+    sink=False,
 ):
     rng = np.random.default_rng(0)
     t = _NP[dtype]
@@ -297,13 +304,21 @@ def _gqa_case(
         q64, k64 = _rope(q64, pos, interleaved), _rope(k64, pos, interleaved)
     if qk_norm:
         names += [""] * (14 - len(names)) + ["wq", "wk"]
+    sinks = None
+    if sink:
+        # One sink far above every score (it must not be assumed to lose the max) and one
+        # far below (a near no-op), as GPT-OSS's learned sinks span.
+        sinks = np.array([6.0, -4.0][:_N], t)
+        names += [""] * (11 - len(names)) + ["sink"]
+        feeds["sink"] = sinks
+        sinks = sinks.astype(np.float64)
     if softcap:
         attrs["softcap"] = softcap
     if window is not None:
         attrs["local_window_size"] = window
     node = helper.make_node("GroupQueryAttention", names, ["y"], domain="com.microsoft", **attrs)
     (got,) = _run([node], feeds, ["y"], provider)
-    return got, _bsd(_attend(q64, k64, v64, softcap, window))
+    return got, _bsd(_attend(q64, k64, v64, softcap, window, sinks))
 
 
 def _attention_case(dtype, provider, softcap=0.0):
@@ -388,6 +403,7 @@ KNOWN_ANSWERS: dict[str, Callable[[str, str], tuple[np.ndarray, np.ndarray]]] = 
     "gqa.local_window": lambda d, p: _gqa_case(d, p, window=2),
     "gqa.packed_qkv": lambda d, p: _gqa_case(d, p, packed=True),
     "gqa.qk_norm": lambda d, p: _gqa_case(d, p, qk_norm=True),
+    "gqa.head_sink": lambda d, p: _gqa_case(d, p, sink=True, window=3),
     "attention": lambda d, p: _attention_case(d, p),
     "attention_softcap": lambda d, p: _attention_case(d, p, softcap=2.0),
     "rotary_embedding": lambda d, p: _rope_case(d, p, contrib=False),

@@ -29,6 +29,8 @@ class GQASupport:
     attention_bias: bool = True
     qk_norm: bool = False
     """``q_norm_weight``/``k_norm_weight`` inputs are honoured."""
+    head_sink: bool = False
+    """The ``head_sink`` input (one softmax-denominator logit per head, GPT-OSS) is honoured."""
     head_size_multiple: int = 1
     rotary_head_size_multiple: int = 1
     rotary_cache_width_multiple: int = 1

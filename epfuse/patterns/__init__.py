@@ -3,6 +3,7 @@
 record still does not take -> an op it does, or primitives). ``RULES`` lists them in order."""
 
 from .base import Kept, OptimizeOptions, RewriteContext, Rewritten, Rule, Stage
+from .canonicalize.attention_sinks import AttentionSinksToAttention
 from .canonicalize.kv_cache import KVConcatToAttentionPast
 from .canonicalize.partial_rotary import PartialRotaryToRotaryDim
 from .canonicalize.repeat_kv import RemoveRepeatKV
@@ -10,6 +11,7 @@ from .canonicalize.rms_norm import DecomposedRMSNormToRMSNormalization
 from .canonicalize.rope_caches import RopeCosSinToCaches
 from .canonicalize.rotate_half import RotateHalfToRotaryEmbedding
 from .canonicalize.sdpa import DecomposedAttentionToAttention
+from .canonicalize.split_rotary import SplitHalvesToRotaryEmbedding
 from .legalize.expand import ExpandAttention, ExpandRMSNormalization, ExpandRotaryEmbedding
 from .lower.gqa import AttentionToGQA
 from .lower.mrope import MRopeLowering
@@ -25,7 +27,9 @@ from .lower.qk_norm import QKNormIntoGQA
 
 RULES: tuple[Rule, ...] = (
     DecomposedAttentionToAttention(),
+    AttentionSinksToAttention(),
     RotateHalfToRotaryEmbedding(),
+    SplitHalvesToRotaryEmbedding(),
     DecomposedRMSNormToRMSNormalization(),
     RopeCosSinToCaches(),
     PartialRotaryToRotaryDim(),

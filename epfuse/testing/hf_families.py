@@ -185,6 +185,33 @@ def _cohere():
     return CohereConfig(**_COMMON, logit_scale=0.5, pad_token_id=0)
 
 
+def _gpt_oss():
+    from transformers import GptOssConfig
+
+    # experts_implementation="batched_mm": transformers 5.x's default (grouped_mm) calls the
+    # custom op transformers::grouped_mm_fallback, which torch.onnx cannot translate, and
+    # "eager" loops over the experts hit (data-dependent: GuardOnDataDependentSymNode).
+    # batched_mm gathers each token's expert weights and runs batched MatMuls instead.
+    return GptOssConfig(
+        **{**_COMMON, "intermediate_size": 64},
+        head_dim=16,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        sliding_window=SLIDING_WINDOW,
+        layer_types=["sliding_attention", "full_attention"],
+        experts_implementation="batched_mm",
+        **rope_kwargs(
+            150000.0,
+            rope_type="yarn",
+            factor=4.0,
+            original_max_position_embeddings=128,
+            beta_fast=32.0,
+            beta_slow=1.0,
+            truncate=False,
+        ),
+    )
+
+
 FAMILIES: dict[str, Family] = {
     f.name: f
     for f in (
@@ -215,3 +242,16 @@ MORE_FAMILIES: dict[str, Family] = {
 """Families added for the exporters issue (Optimum's list); not yet in the dynamo family tests."""
 
 ALL_FAMILIES: dict[str, Family] = {**FAMILIES, **MORE_FAMILIES}
+
+SINK_FAMILIES: dict[str, Family] = {
+    f.name: f
+    for f in (
+        Family(
+            "gpt-oss",
+            _gpt_oss,
+            SLIDING_WINDOW,
+            "per-head attention sinks, alternating sliding/full layers, YaRN, clamped-SwiGLU experts",
+        ),
+    )
+}
+"""Families with attention sinks (tests/families/test_gpt_oss.py); transformers 5.x only."""

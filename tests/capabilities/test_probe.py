@@ -28,8 +28,9 @@ def cpu_report():
 
 def test_builtin_records_agree_with_installed_ort(cpu_report):
     assert cpu_report.installed and not cpu_report.mismatches
-    assert len(cpu_report.observed) == 30  # 15 flags x float32/float16
+    assert len(cpu_report.observed) == 32  # 16 flags x float32/float16
     assert cpu_report.observed[("float32", "gqa.softcap")]
+    assert cpu_report.observed[("float16", "gqa.head_sink")]  # GPT-OSS sinks, with a window
     assert cpu_report.observed[("float16", "gqa.local_window")]
     assert not cpu_report.observed[("float32", "gqa.qk_norm")]  # CPU rejects q/k-norm inputs
     for record in all_eps():
@@ -106,5 +107,14 @@ def test_optimize_trusts_the_probe_over_the_record():
 def test_cli_probe(capsys):
     assert main(["capabilities", "--ep", "cpu", "--probe"]) == 0
     out = capsys.readouterr().out
-    assert "cpu: schema checked; 30 known-answer runs" in out
+    assert "cpu: schema checked; 32 known-answer runs" in out
     assert "record agrees" in out
+
+
+def test_head_sink_known_answer_would_catch_an_ignored_sink(monkeypatch):
+    """The head_sink case's reference differs from plain attention by far more than the
+    tolerance, so a kernel that ignored the input would fail it."""
+    got, with_sink = probe_module._gqa_case("float32", "CPUExecutionProvider", sink=True, window=3)
+    _, without = probe_module._gqa_case("float32", "CPUExecutionProvider", window=3)
+    assert abs(with_sink - without).max() > 0.1
+    assert abs(got - with_sink).max() < 1e-4

@@ -4,7 +4,8 @@
 
 ONNX Attention defines ``present = Concat(past, new)`` on the sequence axis, so the concat
 outputs are replaced by the Attention's presents and keep their names (they are usually the
-model's ``present.*`` outputs).
+model's ``present.*`` outputs). A used ``qk_matmul_output`` (the attention-sink form,
+``attention_sinks``) is carried over: its scores cover past + new keys either way.
 
 A ``Shape`` of the concatenated K/V (Phi's mask is sliced to ``key_states.shape[-2]``) may feed
 the Attention's own mask: reading it off the present would make the Attention depend on its
@@ -49,10 +50,10 @@ class KVConcatToAttentionPast(Rule):
         for past in (past_k, past_v):
             if past.shape is not None and len(past.shape) != 4:
                 return Kept("KV cache is not rank 4 (batch, heads, seq, head_size)")
-        if len(node.outputs) > 1 and any(
-            out.uses() or out.is_graph_output() for out in node.outputs[1:]
-        ):
-            return Kept("Attention already has used present or qk outputs")
+        if any(out.uses() or out.is_graph_output() for out in node.outputs[1:3]):
+            return Kept("Attention already has used present outputs")
+        qk = node.outputs[3] if len(node.outputs) > 3 else None
+        qk_used = qk is not None and bool(qk.uses() or qk.is_graph_output())
         for past, new, present in (k_parts, v_parts):
             if _shape_uses(present) and 4 not in (rank(past), rank(new)):
                 return Kept(
@@ -63,14 +64,19 @@ class KVConcatToAttentionPast(Rule):
             "Attention",
             inputs,
             {name: a for name, a in node.attributes.items()},
-            num_outputs=3,
+            num_outputs=4 if qk_used else 3,
             name=node.name,
             metadata_props=dict(node.metadata_props),
         )
         for past, new, present in (k_parts, v_parts):
             _shapes_from_parts(ctx.graph, past, new, present)
         ctx.graph.insert_before(node, fused)
-        y, new_present_k, new_present_v = fused.outputs
+        y, new_present_k, new_present_v = fused.outputs[:3]
+        if qk_used:
+            new_qk = fused.outputs[3]
+            new_qk.shape, new_qk.type = qk.shape, qk.type
+            new_qk.name, qk.name = qk.name, None
+            replace_value(qk, new_qk)
         y.name, y.shape, y.type = node.outputs[0].name, node.outputs[0].shape, node.outputs[0].type
         node.outputs[0].name = None
         replace_value(node.outputs[0], y)

@@ -45,6 +45,7 @@ from ..base import Kept, RewriteContext, Rewritten, Rule, Stage
 from ..canonicalize.rope_caches import evaluated_equal
 from ..canonicalize.rotate_half import RotateHalfToRotaryEmbedding
 from ..mask_analysis import ProvenMask, analyze_mask
+from .attention_sink import match_sink, qk_used
 from .mrope import is_streams, mrope_positions, unproven_reason
 
 _MROPE_REASON = "3-D mRoPE positions ({how}): fused rotary takes one position per token"
@@ -153,12 +154,18 @@ class AttentionToGQA(Rule):
             return Kept("the Attention has no past_key/past_value inputs (KV cache not canonical)")
         if len(node.inputs) > 6 and node.inputs[6] is not None:
             return Kept("nonpad_kv_seqlen is not expressible in GroupQueryAttention")
-        if len(node.outputs) > 3 and (node.outputs[3].uses() or node.outputs[3].is_graph_output()):
-            return Kept("the qk_matmul output is used")
         heads = _heads(node, q, k, past_k)
         if isinstance(heads, str):
             return Kept(heads)
         num_heads, kv_heads, head_size, rank = heads
+        sink = match_sink(node, num_heads) if qk_used(node) else None
+        if isinstance(sink, str):
+            return Kept(sink)
+        if sink is not None and not gqa_caps.head_sink:
+            return Kept(
+                f"{ctx.ep.name}'s GroupQueryAttention has no head_sink: the attention sinks "
+                "stay in the standard Attention form"
+            )
         if num_heads % kv_heads:
             return Kept("query heads are not a multiple of KV heads")
         if head_size % gqa_caps.head_size_multiple:
@@ -206,6 +213,9 @@ class AttentionToGQA(Rule):
             attributes["rotary_interleaved"] = int(rope.interleaved)
         else:
             attributes["do_rotary"] = 0
+        if sink is not None:
+            values = sink.sinks.astype(q.dtype.numpy())
+            inputs += [None] * (11 - len(inputs)) + [builder.const("head_sink", values)]
         ensure_opset(ctx.model, "com.microsoft", 1)
         gqa = ir.node(
             "GroupQueryAttention",
@@ -219,7 +229,7 @@ class AttentionToGQA(Rule):
         ctx.graph.insert_before(node, gqa)
         out, present_k, present_v = gqa.outputs
         out.name = f"{gqa.name}/output"
-        y = node.outputs[0]
+        y = node.outputs[0] if sink is None else sink.output
         if rank == 3:
             replace_value(y, out)
         elif (reshaped := bsd_consumer(y, num_heads * head_size)) is not None:
@@ -240,6 +250,8 @@ class AttentionToGQA(Rule):
                 replace_value(old, new)
             else:
                 new.name = f"{gqa.name}/present_{index}"
+        if sink is not None:
+            ctx.graph.remove(sink.nodes, safe=True)
         ctx.graph.remove(node, safe=True)
         if rope_plan.fused:
             result = "GroupQueryAttention(do_rotary=1)"
@@ -248,6 +260,8 @@ class AttentionToGQA(Rule):
         extras = [mask.describe()]
         if softcap:
             extras.append(f"softcap {softcap:g}")
+        if sink is not None:
+            extras.append("attention sinks as head_sink")
         if rope_plan.reason:
             extras.append(f"RoPE kept outside: {rope_plan.reason}")
         return Rewritten("; ".join(extras), layer_result=result)

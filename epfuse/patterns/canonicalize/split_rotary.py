@@ -1,0 +1,149 @@
+"""Half-width RoPE on split halves (GPT-OSS) -> ONNX ``RotaryEmbedding`` (opset 23).
+
+GPT-OSS's ``_apply_rotary_emb`` keeps cos/sin at half the head size and rotates the two
+halves of the head explicitly::
+
+    x1, x2 = Split(x, 2, axis=-1)                       # x: (B, N, S, D)
+    c, s   = Unsqueeze(cos, 1), Unsqueeze(sin, 1)       # cos, sin: (B, S, D/2)
+    y      = Concat(x1 * c - x2 * s, x2 * c + x1 * s, axis=-1)
+
+which is the definition of non-interleaved ``RotaryEmbedding(x, cos, sin)`` in its per-token
+form (cos/sin (B, S, D/2), no position ids). The rule checks that structure exactly (the
+same two halves, the same c and s in both terms, equal halves of a static even head size,
+cos/sin of the rotated dtype and half its width); it does not evaluate anything itself:
+``rope_caches`` then proves the run-time cos/sin (YaRN's scaled ones included) to be rows of
+constant caches by evaluating them. Where cos/sin broadcast over the batch, they must first be
+proven cache rows of the (batch, seq) positions, as in ``rotate_half``.
+"""
+
+from __future__ import annotations
+
+import onnx_ir as ir
+
+from .._graph import attr, const_ints, input_at, producer, remove_dead, replace_value
+from .._opset import require_default_opset
+from ..base import Kept, RewriteContext, Rewritten, Rule, Stage
+from .rotate_half import _per_token, _static_last, _to_position_caches
+
+
+def _mul_of(node: ir.Node | None, a: ir.Value, b: ir.Value) -> bool:
+    if node is None or node.op_type != "Mul" or node.domain != "":
+        return False
+    return list(node.inputs) in ([a, b], [b, a])
+
+
+def _factors(node: ir.Node | None, x: ir.Value) -> ir.Value | None:
+    """y when ``node`` is ``Mul(x, y)`` or ``Mul(y, x)``."""
+    if node is None or node.op_type != "Mul" or node.domain != "" or len(node.inputs) != 2:
+        return None
+    if node.inputs[0] is x:
+        return node.inputs[1]
+    if node.inputs[1] is x:
+        return node.inputs[0]
+    return None
+
+
+def _heads_unsqueezed(value: ir.Value, chain: list[ir.Node]) -> ir.Value | None:
+    """cos when ``value = Unsqueeze(cos, [1])`` with cos rank 3."""
+    node = producer(value, "Unsqueeze")
+    if node is None or const_ints(input_at(node, 1)) != [1]:
+        return None
+    source = node.inputs[0]
+    if source.shape is not None and len(source.shape) != 3:
+        return None
+    chain.append(node)
+    return source
+
+
+def _halves(x1: ir.Value, x2: ir.Value) -> tuple[ir.Node, ir.Value] | None:
+    """(Split, x) when x1, x2 are the two equal last-axis halves of a rank-4 x."""
+    split = x1.producer()
+    if (
+        split is None
+        or split.op_type != "Split"
+        or split.domain != ""
+        or x2.producer() is not split
+    ):
+        return None
+    if len(split.outputs) != 2 or split.outputs[0] is not x1 or split.outputs[1] is not x2:
+        return None
+    x = split.inputs[0]
+    if x.shape is None or len(x.shape) != 4 or attr(split, "axis", 0) not in (-1, 3):
+        return None
+    width = _static_last(x)
+    if width is None or width % 2:
+        return None
+    sizes = const_ints(input_at(split, 1)) if len(split.inputs) > 1 else None
+    if sizes is None and attr(split, "num_outputs") != 2:
+        return None
+    if sizes is not None and sizes != [width // 2, width // 2]:
+        return None
+    return split, x
+
+
+class SplitHalvesToRotaryEmbedding(Rule):
+    name = "split-halves-to-rotary-embedding"
+    stage = Stage.CANONICALIZE
+    anchor = ("", "Concat")
+    description = "Concat(x1*c - x2*s, x2*c + x1*s) over Split(x) -> ONNX RotaryEmbedding"
+
+    def apply(self, node: ir.Node, ctx: RewriteContext):
+        if len(node.inputs) != 2 or attr(node, "axis") not in (-1, 3):
+            return None
+        sub, add = producer(node.inputs[0], "Sub"), producer(node.inputs[1], "Add")
+        if sub is None or add is None:
+            return None
+        a, b = (x.producer() for x in sub.inputs)  # x1*c, x2*s
+        if a is None or b is None or len(a.inputs) != 2:
+            return None
+        matched = None
+        for x1 in a.inputs:
+            c = _factors(a, x1)
+            for x2 in b.inputs:
+                s = _factors(b, x2)
+                if c is None or s is None or x1 is x2:
+                    continue
+                halves = _halves(x1, x2)
+                if halves is None:
+                    continue
+                terms = [t.producer() for t in add.inputs]
+                if not any(
+                    _mul_of(p, x2, c) and _mul_of(q, x1, s) for p, q in (terms, terms[::-1])
+                ):
+                    continue
+                matched = (halves, c, s)
+        if matched is None:
+            return None
+        (split, x), c4, s4 = matched
+        chain = [node, sub, add, a, b, *(t.producer() for t in add.inputs), split]
+        cos, sin = _heads_unsqueezed(c4, chain), _heads_unsqueezed(s4, chain)
+        if cos is None or sin is None:
+            return Kept("split-halves RoPE: cos/sin are not (batch, seq, D/2) broadcast over heads")
+        width = _static_last(x)
+        for value in (cos, sin):
+            if value.dtype not in (None, x.dtype):
+                return Kept("split-halves RoPE: cos/sin do not have the rotated dtype")
+            half = _static_last(value)
+            if half is not None and 2 * half != width:
+                return Kept("split-halves RoPE: cos/sin are not half the head size wide")
+        reason = require_default_opset(ctx.model, 23, ctx.cache)
+        if reason:
+            return Kept(reason)
+        rope = ir.node(
+            "RotaryEmbedding",
+            [x, cos, sin],
+            {"interleaved": 0},
+            name=f"{node.name or 'rope'}/RotaryEmbedding",
+        )
+        if not (_per_token(cos, x) and _per_token(sin, x)):
+            why = _to_position_caches(ctx, rope, x)
+            if why:
+                return Kept(f"split-halves RoPE: cos/sin are not (batch, seq) of the input ({why})")
+        ctx.graph.insert_before(node, rope)
+        out, target = rope.outputs[0], node.outputs[0]
+        out.shape, out.type = target.shape, target.type
+        if target.name and not target.is_graph_output():
+            out.name, target.name = target.name, None
+        replace_value(target, out)
+        remove_dead(ctx.graph, chain)
+        return Rewritten("split-halves RoPE (half-width cos/sin) -> RotaryEmbedding")

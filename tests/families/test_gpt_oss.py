@@ -1,0 +1,136 @@
+"""GPT-OSS (tiny, 2 layers: one sliding-window, one full) exported by torch.onnx at opsets
+18 and 23, end to end on CPU.
+
+1. the export is the Hugging Face model (prompt, then decode on its past);
+2. on cpu every layer becomes GroupQueryAttention with fused (YaRN) rotary, the layer's
+   local window, and ``head_sink`` equal to the model's learned ``sinks`` parameter;
+3. the result is equivalent in every scenario, prompt and past beyond the window;
+4. on an EP whose GQA has no head_sink, each layer keeps the standard Attention form that
+   carries the sinks exactly, says so, and is equivalent too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import numpy_helper
+
+import epfuse
+from epfuse.capabilities import get_ep
+from epfuse.optimizer.tolerances import tolerance_for
+from epfuse.optimizer.verify import assert_equivalent
+from epfuse.testing.hf_export import export_hf_decoder, hf_model, hf_reference
+from epfuse.testing.hf_families import SINK_FAMILIES, SLIDING_WINDOW
+
+pytestmark = pytest.mark.slow
+
+W = SLIDING_WINDOW
+PROMPT, PAST = 2 * W + 1, 2 * W
+FAMILY = SINK_FAMILIES["gpt-oss"]
+
+
+@pytest.fixture(scope="module", params=[18, 23], ids=["opset18", "opset23"])
+def exported(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp("gpt_oss") / f"gpt_oss_{request.param}.onnx"
+    export_hf_decoder(FAMILY.make_config(), path, opset=request.param)
+    original = onnx.load(str(path))
+    optimized, report = epfuse.optimize_with_report(original, "cpu")
+    return original, optimized, report
+
+
+def _run(model, feeds):
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return sess.run(None, feeds)
+
+
+def _feeds(model, ids, mask, pos, past):
+    feeds = {"input_ids": ids, "attention_mask": mask, "position_ids": pos}
+    names = [i.name for i in model.graph.input if i.name.startswith("past_key_values")]
+    feeds.update(zip(names, past, strict=True))
+    return feeds
+
+
+def test_export_matches_hugging_face(exported):
+    original, _, _ = exported
+    config, tol = FAMILY.make_config(), tolerance_for("float32")
+    rng = np.random.default_rng(3)
+    ids = rng.integers(0, 256, (2, PROMPT), dtype=np.int64)
+    mask = np.ones((2, PROMPT), dtype=np.int64)
+    pos = np.tile(np.arange(PROMPT, dtype=np.int64), (2, 1))
+    empty = [np.zeros((2, 2, 0, 16), np.float32)] * 4
+    got = _run(original, _feeds(original, ids, mask, pos, empty))
+    ref_logits, ref_present = hf_reference(config, 0, ids, mask, pos, None)
+    np.testing.assert_allclose(got[0], ref_logits, atol=tol.atol, rtol=tol.rtol)
+    for g, r in zip(got[1:], ref_present, strict=True):
+        np.testing.assert_allclose(g, r, atol=tol.atol, rtol=tol.rtol)
+    step = rng.integers(0, 256, (2, 1), dtype=np.int64)
+    mask2, pos2 = np.ones((2, PROMPT + 1), np.int64), np.full((2, 1), PROMPT, np.int64)
+    got2 = _run(original, _feeds(original, step, mask2, pos2, got[1:]))
+    ref2, _ = hf_reference(config, 0, step, mask2, pos2, got[1:])
+    np.testing.assert_allclose(got2[0], ref2, atol=tol.atol, rtol=tol.rtol)
+
+
+def test_every_layer_takes_its_sinks_into_gqa(exported):
+    _, optimized, report = exported
+    assert report.fused_layers == len(report.layers) == 2, report.summary()
+    inits = {t.name: numpy_helper.to_array(t) for t in optimized.graph.initializer}
+    gqa = [n for n in optimized.graph.node if n.op_type == "GroupQueryAttention"]
+    assert len(gqa) == 2 and not any(n.op_type == "Attention" for n in optimized.graph.node)
+    model = hf_model(FAMILY.make_config())
+    for i, (node, layer) in enumerate(zip(gqa, report.layers, strict=True)):
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+        details = "; ".join(layer.notes + layer.reasons)
+        assert layer.result == "GroupQueryAttention(do_rotary=1)", details
+        assert "attention sinks as head_sink" in details
+        assert attrs.get("local_window_size", -1) == (W if i == 0 else -1), details
+        expected = model.model.layers[i].self_attn.sinks.detach().numpy()
+        np.testing.assert_array_equal(inits[node.input[11]], expected)
+    # The sink correction and the run-time YaRN cos/sin are gone.
+    for op in ("ReduceLogSumExp", "Cos", "Sin", "RotaryEmbedding"):
+        assert not any(n.op_type == op for n in optimized.graph.node), op
+
+
+def test_optimized_is_equivalent_beyond_the_window(exported):
+    original, optimized, _ = exported
+    assert_equivalent(
+        original,
+        optimized,
+        prompt_len=PROMPT,
+        decode_past_len=PAST,
+        chunk_past_len=PAST,
+        chunk_len=3,
+        padded_lens=(PROMPT, W - 1),
+    )
+
+
+def test_without_head_sink_the_standard_form_carries_the_sinks(exported):
+    original, _, _ = exported
+    cpu = get_ep("cpu")
+    no_sink = dataclasses.replace(
+        cpu,
+        name="cpu-no-head-sink",
+        dtypes={
+            d: dataclasses.replace(ops, gqa=dataclasses.replace(ops.gqa, head_sink=False))
+            for d, ops in cpu.dtypes.items()
+        },
+    )
+    kept, report = epfuse.optimize_with_report(original, no_sink)
+    assert report.fused_layers == 0
+    for layer in report.layers:
+        assert any("has no head_sink" in r for r in layer.reasons), layer
+    ops = [n.op_type for n in kept.graph.node]
+    assert ops.count("Attention") == 2 and ops.count("ReduceLogSumExp") == 2
+    assert "GroupQueryAttention" not in ops
+    assert_equivalent(
+        original,
+        kept,
+        prompt_len=PROMPT,
+        decode_past_len=PAST,
+        chunk_past_len=PAST,
+        chunk_len=3,
+        padded_lens=(PROMPT, W - 1),
+    )
