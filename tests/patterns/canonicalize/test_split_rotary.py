@@ -56,9 +56,9 @@ def _apply(model):
 
 
 def _run(model, feeds):
-    return ort.InferenceSession(
-        model.SerializeToString(), providers=["CPUExecutionProvider"]
-    ).run(None, feeds)[0]
+    return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(
+        None, feeds
+    )[0]
 
 
 def test_split_halves_become_rotary_embedding():
