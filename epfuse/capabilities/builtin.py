@@ -30,6 +30,7 @@ _CPU = OpSupport(
     skip_layer_norm=True,
     matmul_nbits=True,
     gather_block_quantized=True,
+    moe=True,
 )
 
 CPU = EPCapabilities(

@@ -72,6 +72,7 @@ def required_flags(node: onnx.NodeProto) -> tuple[str, ...] | None:
         ("com.microsoft", "SkipLayerNormalization"): "skip_layer_norm",
         ("com.microsoft", "MatMulNBits"): "matmul_nbits",
         ("com.microsoft", "GatherBlockQuantized"): "gather_block_quantized",
+        ("com.microsoft", "MoE"): "moe",
     }
     if op in table:
         return (table[op],)

@@ -81,6 +81,29 @@ EMISSIONS: dict[str, tuple[Emission, ...]] = {
             attributes=("q_norm_epsilon", "k_norm_epsilon"),
         ),
     ),
+    "moe": (
+        Emission(
+            "com.microsoft",
+            "MoE",
+            inputs=(
+                (0, "input"),
+                (1, "router_probs"),
+                (2, "fc1_experts_weights"),
+                (3, "fc1_experts_bias"),
+                (4, "fc2_experts_weights"),
+                (5, "fc2_experts_bias"),
+            ),
+            attributes=(
+                "k",
+                "activation_type",
+                "swiglu_fusion",
+                "activation_alpha",
+                "activation_beta",
+                "swiglu_limit",
+                "normalize_routing_weights",
+            ),
+        ),
+    ),
     "attention": (
         Emission("", "Attention", attributes=("q_num_heads", "kv_num_heads", "scale", "is_causal")),
     ),
@@ -395,6 +418,48 @@ def _norm_case(dtype, provider, op: str):
     return np.concatenate([y.ravel(), summed.ravel()]), np.concatenate([ref.ravel(), total.ravel()])
 
 
+def _moe_case(dtype, provider):
+    """Interleaved SwiGLU experts with GPT-OSS's clamp (alpha 1.702, beta 1, limit 7 scaled
+    to these inputs), softmax over all experts, top 2, renormalized, biases on both layers."""
+    rng = np.random.default_rng(4)
+    t = _NP[dtype]
+    tokens, hidden, inter, experts, k, limit = 6, 16, 8, 4, 2, 0.8
+    x = rng.standard_normal((tokens, hidden)).astype(t)
+    logits = (2 * rng.standard_normal((tokens, experts))).astype(t)
+    fc1 = (rng.standard_normal((experts, 2 * inter, hidden)) / 3).astype(t)
+    b1 = (0.3 * rng.standard_normal((experts, 2 * inter))).astype(t)
+    fc2 = (rng.standard_normal((experts, hidden, inter)) / 3).astype(t)
+    b2 = (0.3 * rng.standard_normal((experts, hidden))).astype(t)
+    node = helper.make_node(
+        "MoE",
+        ["x", "r", "fc1", "b1", "fc2", "b2"],
+        ["y"],
+        domain="com.microsoft",
+        k=k,
+        activation_type="swiglu",
+        swiglu_fusion=1,
+        activation_alpha=1.702,
+        activation_beta=1.0,
+        swiglu_limit=limit,
+        normalize_routing_weights=1,
+    )
+    feeds = {"x": x, "r": logits, "fc1": fc1, "b1": b1, "fc2": fc2, "b2": b2}
+    (got,) = _run([node], feeds, ["y"], provider)
+    x64, l64 = x.astype(np.float64), logits.astype(np.float64)
+    probs = np.exp(l64 - l64.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    ref = np.zeros((tokens, hidden))
+    for i in range(tokens):
+        chosen = np.argsort(-probs[i], kind="stable")[:k]
+        weights = probs[i, chosen] / probs[i, chosen].sum()
+        for e, w in zip(chosen, weights, strict=True):
+            h = fc1[e].astype(np.float64) @ x64[i] + b1[e]
+            gate, up = np.minimum(h[0::2], limit), np.clip(h[1::2], -limit, limit)
+            act = (up + 1.0) * gate / (1.0 + np.exp(-1.702 * gate))
+            ref[i] += w * (fc2[e].astype(np.float64) @ act + b2[e])
+    return got, ref
+
+
 KNOWN_ANSWERS: dict[str, Callable[[str, str], tuple[np.ndarray, np.ndarray]]] = {
     "gqa": lambda d, p: _gqa_case(d, p),
     "gqa.fused_rotary": lambda d, p: _gqa_case(d, p, rotary=True),
@@ -404,6 +469,7 @@ KNOWN_ANSWERS: dict[str, Callable[[str, str], tuple[np.ndarray, np.ndarray]]] = 
     "gqa.packed_qkv": lambda d, p: _gqa_case(d, p, packed=True),
     "gqa.qk_norm": lambda d, p: _gqa_case(d, p, qk_norm=True),
     "gqa.head_sink": lambda d, p: _gqa_case(d, p, sink=True, window=3),
+    "moe": _moe_case,
     "attention": lambda d, p: _attention_case(d, p),
     "attention_softcap": lambda d, p: _attention_case(d, p, softcap=2.0),
     "rotary_embedding": lambda d, p: _rope_case(d, p, contrib=False),

@@ -60,6 +60,8 @@ class OpSupport:
     """``com.microsoft::MatMulNBits`` (int4 weight-only MatMul, ``precision="int4"``)."""
     gather_block_quantized: bool = False
     """``com.microsoft::GatherBlockQuantized`` (int4 embedding table)."""
+    moe: bool = False
+    """``com.microsoft::MoE`` with interleaved SwiGLU experts (``swiglu_fusion=1``)."""
 
     def supported(self) -> list[str]:
         names = []
@@ -108,6 +110,7 @@ class EPCapabilities:
                     ops.simplified_layer_norm,
                     ops.matmul_nbits,
                     ops.gather_block_quantized,
+                    ops.moe,
                 )
                 if any(vendor):
                     raise ValueError(

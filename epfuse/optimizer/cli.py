@@ -275,6 +275,7 @@ _COLUMNS = (
     ("GQA-softcap", lambda o: bool(o.gqa and o.gqa.softcap)),
     ("GQA-window", lambda o: bool(o.gqa and o.gqa.local_window)),
     ("GQA-sink", lambda o: bool(o.gqa and o.gqa.head_sink)),
+    ("MoE", lambda o: o.moe),
     ("Attention", lambda o: o.attention),
     ("RotaryEmb", lambda o: o.rotary_embedding),
     ("MS-RoPE", lambda o: o.ms_rotary_embedding),

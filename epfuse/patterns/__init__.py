@@ -14,6 +14,7 @@ from .canonicalize.sdpa import DecomposedAttentionToAttention
 from .canonicalize.split_rotary import SplitHalvesToRotaryEmbedding
 from .legalize.expand import ExpandAttention, ExpandRMSNormalization, ExpandRotaryEmbedding
 from .lower.gqa import AttentionToGQA
+from .lower.moe import ExpertsToMoE
 from .lower.mrope import MRopeLowering
 from .lower.ms_rotary import OnnxRotaryToContrib
 from .lower.norms import (
@@ -39,6 +40,7 @@ RULES: tuple[Rule, ...] = (
     AttentionToGQA(),
     QKNormIntoGQA(),
     PackQKV(),
+    ExpertsToMoE(),
     SkipRMSNormFusion(),
     SkipLayerNormFusion(),
     RMSNormToSimplified(),

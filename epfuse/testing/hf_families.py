@@ -243,6 +243,45 @@ MORE_FAMILIES: dict[str, Family] = {
 
 ALL_FAMILIES: dict[str, Family] = {**FAMILIES, **MORE_FAMILIES}
 
+
+def _mixtral():
+    from transformers import MixtralConfig
+
+    # batched_mm experts: see _gpt_oss.
+    return MixtralConfig(
+        **_COMMON,
+        head_dim=16,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        experts_implementation="batched_mm",
+    )
+
+
+def _qwen3_moe():
+    from transformers import Qwen3MoeConfig
+
+    # norm_topk_prob=False: the top-k softmax weights are used as they are (not renormalized),
+    # the router semantics Mixtral does not cover.
+    return Qwen3MoeConfig(
+        **_COMMON,
+        head_dim=16,
+        moe_intermediate_size=32,
+        num_experts=4,
+        num_experts_per_tok=2,
+        norm_topk_prob=False,
+        experts_implementation="batched_mm",
+    )
+
+
+MOE_FAMILIES: dict[str, Family] = {
+    f.name: f
+    for f in (
+        Family("mixtral", _mixtral, description="4 experts, top 2, renormalized, [gate|up] SwiGLU"),
+        Family("qwen3-moe", _qwen3_moe, description="4 experts, top 2, softmax weights as is"),
+    )
+}
+"""Mixture-of-experts families (tests/families/test_moe.py); transformers 5.x only."""
+
 SINK_FAMILIES: dict[str, Family] = {
     f.name: f
     for f in (

@@ -89,8 +89,17 @@ def test_every_layer_takes_its_sinks_into_gqa(exported):
         assert attrs.get("local_window_size", -1) == (W if i == 0 else -1), details
         expected = model.model.layers[i].self_attn.sinks.detach().numpy()
         np.testing.assert_array_equal(inits[node.input[11]], expected)
-    # The sink correction and the run-time YaRN cos/sin are gone.
-    for op in ("ReduceLogSumExp", "Cos", "Sin", "RotaryEmbedding"):
+    # GPT-OSS's clamped SwiGLU experts: interleaved gate/up, alpha 1.702, beta 1, limit 7.
+    moe = [n for n in optimized.graph.node if n.op_type == "MoE"]
+    assert len(moe) == 2
+    for node in moe:
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+        assert attrs["normalize_routing_weights"] == 1  # top-k on logits, then softmax
+        assert attrs["swiglu_limit"] == pytest.approx(7.0)
+        assert attrs["activation_alpha"] == pytest.approx(1.702)
+        assert attrs["activation_beta"] == pytest.approx(1.0)
+    # The sink correction, the run-time YaRN cos/sin and the exported experts are gone.
+    for op in ("ReduceLogSumExp", "Cos", "Sin", "RotaryEmbedding", "TopK", "GatherND"):
         assert not any(n.op_type == op for n in optimized.graph.node), op
 
 

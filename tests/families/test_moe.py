@@ -1,0 +1,96 @@
+"""Mixture-of-experts decoders (tiny Mixtral and Qwen3-MoE, 2 layers, transformers'
+``batched_mm`` experts) exported by torch.onnx at opset 23, end to end on CPU: the export is
+the Hugging Face model; on cpu every layer's attention becomes GroupQueryAttention and every
+layer's experts one com.microsoft::MoE with the router semantics the family has (Mixtral
+renormalizes its top 2, Qwen3-MoE with norm_topk_prob=False does not); the result is
+equivalent in every scenario. GPT-OSS's clamped-SwiGLU experts are checked in test_gpt_oss."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+
+import epfuse
+from epfuse.capabilities import get_ep
+from epfuse.optimizer.tolerances import tolerance_for
+from epfuse.optimizer.verify import assert_equivalent
+from epfuse.testing.hf_export import export_hf_decoder, hf_reference
+from epfuse.testing.hf_families import MOE_FAMILIES
+
+pytestmark = pytest.mark.slow
+
+PROMPT, PAST = 9, 8
+RENORMALIZED = {"mixtral": 1, "qwen3-moe": 0}
+
+
+@pytest.fixture(scope="module", params=list(MOE_FAMILIES))
+def exported(request, tmp_path_factory):
+    name = request.param
+    path = tmp_path_factory.mktemp("moe") / f"{name}.onnx"
+    export_hf_decoder(MOE_FAMILIES[name].make_config(), path, opset=23)
+    original = onnx.load(str(path))
+    optimized, report = epfuse.optimize_with_report(original, "cpu")
+    return name, original, optimized, report
+
+
+def _run(model, feeds):
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return sess.run(None, feeds)
+
+
+def test_export_matches_hugging_face(exported):
+    name, original, _, _ = exported
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, 256, (2, PROMPT), dtype=np.int64)
+    mask = np.ones((2, PROMPT), dtype=np.int64)
+    pos = np.tile(np.arange(PROMPT, dtype=np.int64), (2, 1))
+    feeds = {"input_ids": ids, "attention_mask": mask, "position_ids": pos}
+    for i in original.graph.input:
+        if i.name.startswith("past_key_values"):
+            feeds[i.name] = np.zeros((2, 2, 0, 16), np.float32)
+    got = _run(original, feeds)
+    ref, _ = hf_reference(MOE_FAMILIES[name].make_config(), 0, ids, mask, pos, None)
+    tol = tolerance_for("float32")
+    np.testing.assert_allclose(got[0], ref, atol=tol.atol, rtol=tol.rtol)
+
+
+def test_attention_and_experts_fuse(exported):
+    name, _, optimized, report = exported
+    assert report.fused_layers == len(report.layers) == 2, report.summary()
+    moe = [n for n in optimized.graph.node if n.op_type == "MoE"]
+    assert len(moe) == 2
+    for node in moe:
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+        assert attrs["k"] == 2 and attrs["activation_type"] == b"swiglu"
+        assert attrs["normalize_routing_weights"] == RENORMALIZED[name]
+        assert attrs["activation_alpha"] == 1.0 and attrs["activation_beta"] == 0.0
+        assert "swiglu_limit" not in attrs
+    for op in ("TopK", "GatherND"):
+        assert not any(n.op_type == op for n in optimized.graph.node), op
+    rule = next(r for r in report.rules if r.name == "experts-to-moe")
+    assert rule.rewritten == 2 and not rule.kept, rule
+
+
+def test_optimized_is_equivalent(exported):
+    _, original, optimized, _ = exported
+    assert_equivalent(
+        original, optimized, prompt_len=PROMPT, decode_past_len=PAST, chunk_past_len=PAST
+    )
+
+
+def test_an_ep_without_moe_keeps_the_experts(exported):
+    _, original, _, _ = exported
+    cpu = get_ep("cpu")
+    no_moe = dataclasses.replace(
+        cpu,
+        name="cpu-no-moe",
+        dtypes={d: dataclasses.replace(ops, moe=False) for d, ops in cpu.dtypes.items()},
+    )
+    optimized, report = epfuse.optimize_with_report(original, no_moe)
+    assert not any(n.op_type == "MoE" for n in optimized.graph.node)
+    rule = next(r for r in report.rules if r.name == "experts-to-moe")
+    assert not rule.selected

@@ -1,0 +1,204 @@
+"""Router + top-k + batched SwiGLU experts -> com.microsoft::MoE, on small graphs in the form
+transformers' ``batched_mm`` experts export to (Mixtral/Qwen3-MoE: softmax, top-k, optional
+renormalization, [gate | up] halves; GPT-OSS: top-k on the logits, then softmax, interleaved
+clamped SwiGLU with biases). Each runs on ORT before and after, including tokens whose router
+logits tie at the k-th place; routers MoE cannot express are kept with the reason."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from epfuse.capabilities import get_ep
+from epfuse.optimizer.manager import _infer_types
+from epfuse.optimizer.tolerances import tolerance_for
+from epfuse.patterns import Kept, OptimizeOptions, RewriteContext, Rewritten
+from epfuse.patterns.lower.moe import ExpertsToMoE
+
+H, I, E, K = 16, 8, 4, 2
+LIMIT, ALPHA = 0.9, 1.702
+
+
+@dataclasses.dataclass
+class Variant:
+    style: str = "mixtral"  # "mixtral" ([gate|up], softmax first) | "gptoss" (interleaved)
+    renormalize: bool = True  # mixtral style only (Qwen3-MoE's norm_topk_prob)
+    router: str = "softmax"  # "softmax" | "sigmoid" (not expressible) | "smallest"
+
+
+def _graph(v: Variant) -> onnx.ModelProto:
+    rng = np.random.default_rng(1)
+    nodes, inits = [], []
+    f32 = np.float32
+
+    def const(name, value, dtype=np.int64):
+        inits.append(numpy_helper.from_array(np.asarray(value, dtype=dtype), name))
+        return name
+
+    def op(op_type, inputs, out, n_out=1, **attrs):
+        outs = [out] if n_out == 1 else [f"{out}_{i}" for i in range(n_out)]
+        nodes.append(helper.make_node(op_type, inputs, outs, **attrs))
+        return out if n_out == 1 else outs
+
+    router_bias = np.array([0.5, 0.5, 0.5, 0.0], f32)  # a zero token ties 3 experts for 2 places
+    logits = op(
+        "Add",
+        [
+            op("MatMul", ["x", const("wr", rng.standard_normal((H, E)) / 2, f32)], "rl"),
+            const("br", router_bias, f32),
+        ],
+        "logits",
+    )
+    k = const("k", [K])
+    largest = 0 if v.router == "smallest" else 1
+    if v.style == "gptoss":
+        top, idx = op("TopK", [logits, k], "top", 2, axis=-1, largest=largest, sorted=1)
+        weights = op("Softmax", [top], "w", axis=1)
+    else:
+        scores = op("Sigmoid" if v.router == "sigmoid" else "Softmax", [logits], "p")
+        top, idx = op("TopK", [scores, k], "top", 2, axis=-1, largest=largest, sorted=1)
+        weights = top
+        if v.renormalize:
+            weights = op("Div", [top, op("ReduceSum", [top, const("a1", [1])], "ts")], "w")
+    rep = op(
+        "Expand", [op("Unsqueeze", ["x", const("u1", [1])], "xu"), const("ek", [1, K, 1])], "xe"
+    )
+    rep = op("Reshape", [rep, const("flat_h", [-1, H])], "xrep")
+    gi = op(
+        "Unsqueeze", [op("Reshape", [idx, const("flat", [-1])], "idxf"), const("um1", [-1])], "gi"
+    )
+    wf = op("Reshape", [weights, "flat"], "wf")
+    if v.style == "gptoss":
+        w1 = const("w1", rng.standard_normal((E, H, 2 * I)) / 3, f32)
+        b1 = const("b1", 0.3 * rng.standard_normal((E, 2 * I)), f32)
+        h = op(
+            "MatMul", [op("Unsqueeze", [rep, "u1"], "xr1"), op("GatherND", [w1, gi], "w1g")], "h"
+        )
+        h = op("Add", [op("Squeeze", [h, "u1"], "hs"), op("GatherND", [b1, gi], "b1g")], "hb")
+        end = const("end", [2**62])
+        gate = op("Slice", [h, const("z", [0]), end, "um1", const("two", [2])], "gate")
+        up = op("Slice", [h, const("o", [1]), end, "um1", "two"], "up")
+        gate = op("Clip", [gate, "", const("lim", LIMIT, f32)], "gc")
+        up = op("Clip", [up, const("nlim", -LIMIT, f32), "lim"], "uc")
+        glu = op(
+            "Mul",
+            [gate, op("Sigmoid", [op("Mul", [gate, const("al", ALPHA, f32)], "ga")], "sg")],
+            "glu",
+        )
+        act = op("Mul", [op("Add", [up, const("one", 1.0, f32)], "up1"), glu], "act")
+        w2 = const("w2", rng.standard_normal((E, I, H)) / 3, f32)
+        b2 = const("b2", 0.3 * rng.standard_normal((E, H)), f32)
+        y = op(
+            "MatMul", [op("Unsqueeze", [act, "u1"], "a1u"), op("GatherND", [w2, gi], "w2g")], "y"
+        )
+        y = op("Add", [op("Squeeze", [y, "u1"], "ys"), op("GatherND", [b2, gi], "b2g")], "yb")
+    else:
+        w1 = const("w1", rng.standard_normal((E, 2 * I, H)) / 3, f32)
+        h = op(
+            "MatMul", [op("GatherND", [w1, gi], "w1g"), op("Unsqueeze", [rep, "um1"], "xr1")], "h"
+        )
+        gate, up = op(
+            "Split", [op("Squeeze", [h, "um1"], "hs")], "halves", 2, axis=1, num_outputs=2
+        )
+        act = op("Mul", [op("Mul", [gate, op("Sigmoid", [gate], "sg")], "silu"), up], "act")
+        w2 = const("w2", rng.standard_normal((E, H, I)) / 3, f32)
+        y = op(
+            "MatMul", [op("GatherND", [w2, gi], "w2g"), op("Unsqueeze", [act, "um1"], "au")], "y"
+        )
+        y = op("Squeeze", [y, "um1"], "yb")
+    weighted = op("Mul", [y, op("Unsqueeze", [wf, "um1"], "wu")], "weighted")
+    per_slot = op("Reshape", [weighted, const("tkh", [-1, K, H])], "per_slot")
+    op("ReduceSum", [per_slot, "u1"], "out", keepdims=0)
+    graph = helper.make_graph(
+        nodes,
+        "experts",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["T", H])],
+        [helper.make_tensor_value_info("out", TensorProto.FLOAT, ["T", H])],
+        inits,
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
+
+
+def _apply(model):
+    ir_model = ir.serde.deserialize_model(model)
+    _infer_types(ir_model)
+    ctx = RewriteContext(ir_model, get_ep("cpu"), "float32", OptimizeOptions())
+    node = next(n for n in ir_model.graph if n.outputs[0].name == "out")
+    return ir_model, ExpertsToMoE().apply(node, ctx)
+
+
+def _run(model, x):
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return session.run(None, {"x": x})[0]
+
+
+@pytest.mark.parametrize(
+    "v",
+    [Variant(), Variant(renormalize=False), Variant(style="gptoss")],
+    ids=["mixtral-renormalized", "qwen3moe-plain-topk", "gptoss-clamped-swiglu"],
+)
+def test_experts_become_moe_and_compute_the_same(v):
+    original = _graph(v)
+    fused, outcome = _apply(original)
+    assert isinstance(outcome, Rewritten), outcome
+    proto = ir.to_proto(fused)
+    onnx.checker.check_model(proto)
+    ops = [n.op_type for n in proto.graph.node]
+    assert ops.count("MoE") == 1 and not {"TopK", "GatherND", "ReduceSum"} & set(ops), ops
+    moe = next(n for n in proto.graph.node if n.op_type == "MoE")
+    attrs = {a.name: helper.get_attribute_value(a) for a in moe.attribute}
+    assert attrs["normalize_routing_weights"] == int(v.style == "gptoss" or v.renormalize)
+    if v.style == "gptoss":
+        assert attrs["swiglu_limit"] == pytest.approx(LIMIT)
+        assert attrs["activation_alpha"] == pytest.approx(ALPHA)
+        assert attrs["activation_beta"] == pytest.approx(1.0)
+    x = np.random.default_rng(5).standard_normal((9, H)).astype(np.float32)
+    x[3] = 0.0  # router logits = bias: experts 0, 1, 2 tie for two places
+    tol = tolerance_for("float32")
+    np.testing.assert_allclose(_run(proto, x), _run(original, x), atol=tol.atol, rtol=tol.rtol)
+
+
+@pytest.mark.parametrize(
+    "v, reason",
+    [
+        (Variant(router="sigmoid"), "no MoE candidate"),
+        (Variant(router="smallest"), "smallest"),
+    ],
+    ids=["sigmoid-router", "smallest-k"],
+)
+def test_routers_moe_cannot_express_are_kept(v, reason):
+    original = _graph(v)
+    fused, outcome = _apply(original)
+    assert isinstance(outcome, Kept) and reason in outcome.reason, outcome
+    assert len(ir.to_proto(fused).graph.node) == len(original.graph.node)
+
+
+def test_ties_decide_the_expert_order():
+    """ORT's MoE gives exact ties to the higher expert index, ONNX TopK to the lower: with
+    three experts tied for two places only the reversed order matches the exported region,
+    which is why the rule proves the order by evaluation and gathers the logits in reverse."""
+    from epfuse.patterns._evaluate import SubgraphEvaluator
+    from epfuse.patterns.lower import moe
+
+    ir_model = ir.serde.deserialize_model(_graph(Variant()))
+    _infer_types(ir_model)
+    node = next(n for n in ir_model.graph if n.outputs[0].name == "out")
+    experts = moe._match(node)
+    region = SubgraphEvaluator(
+        ir_model.graph, [node.outputs[0]], inputs=[experts.tokens, experts.logits]
+    )
+    x = np.random.default_rng(2).standard_normal((3, H)).astype(np.float32)
+    logits = np.tile(np.array([0.5, 0.5, 0.5, 0.0], np.float32), (3, 1))
+    (want,) = region({experts.tokens.name: x, experts.logits.name: logits})
+    got = {}
+    for reverse in (False, True):
+        session = moe._candidate_session(experts, 1, reverse, TensorProto.FLOAT, np.float32)
+        got[reverse] = session.run(None, {"x": x, "r0": logits})[0]
+    assert np.abs(got[True] - want).max() < 1e-4
+    assert np.abs(got[False] - want).max() > 1e-2
