@@ -21,7 +21,7 @@ from epfuse.optimizer.tolerances import tolerance_for
 from epfuse.patterns import Kept, OptimizeOptions, RewriteContext, Rewritten
 from epfuse.patterns.lower.moe import ExpertsToMoE
 
-H, I, E, K = 16, 8, 4, 2
+H, INTER, E, K = 16, 8, 4, 2
 LIMIT, ALPHA = 0.9, 1.702
 
 
@@ -75,8 +75,8 @@ def _graph(v: Variant) -> onnx.ModelProto:
     )
     wf = op("Reshape", [weights, "flat"], "wf")
     if v.style == "gptoss":
-        w1 = const("w1", rng.standard_normal((E, H, 2 * I)) / 3, f32)
-        b1 = const("b1", 0.3 * rng.standard_normal((E, 2 * I)), f32)
+        w1 = const("w1", rng.standard_normal((E, H, 2 * INTER)) / 3, f32)
+        b1 = const("b1", 0.3 * rng.standard_normal((E, 2 * INTER)), f32)
         h = op(
             "MatMul", [op("Unsqueeze", [rep, "u1"], "xr1"), op("GatherND", [w1, gi], "w1g")], "h"
         )
@@ -92,14 +92,14 @@ def _graph(v: Variant) -> onnx.ModelProto:
             "glu",
         )
         act = op("Mul", [op("Add", [up, const("one", 1.0, f32)], "up1"), glu], "act")
-        w2 = const("w2", rng.standard_normal((E, I, H)) / 3, f32)
+        w2 = const("w2", rng.standard_normal((E, INTER, H)) / 3, f32)
         b2 = const("b2", 0.3 * rng.standard_normal((E, H)), f32)
         y = op(
             "MatMul", [op("Unsqueeze", [act, "u1"], "a1u"), op("GatherND", [w2, gi], "w2g")], "y"
         )
         y = op("Add", [op("Squeeze", [y, "u1"], "ys"), op("GatherND", [b2, gi], "b2g")], "yb")
     else:
-        w1 = const("w1", rng.standard_normal((E, 2 * I, H)) / 3, f32)
+        w1 = const("w1", rng.standard_normal((E, 2 * INTER, H)) / 3, f32)
         h = op(
             "MatMul", [op("GatherND", [w1, gi], "w1g"), op("Unsqueeze", [rep, "um1"], "xr1")], "h"
         )
@@ -107,7 +107,7 @@ def _graph(v: Variant) -> onnx.ModelProto:
             "Split", [op("Squeeze", [h, "um1"], "hs")], "halves", 2, axis=1, num_outputs=2
         )
         act = op("Mul", [op("Mul", [gate, op("Sigmoid", [gate], "sg")], "silu"), up], "act")
-        w2 = const("w2", rng.standard_normal((E, H, I)) / 3, f32)
+        w2 = const("w2", rng.standard_normal((E, H, INTER)) / 3, f32)
         y = op(
             "MatMul", [op("GatherND", [w2, gi], "w2g"), op("Unsqueeze", [act, "um1"], "au")], "y"
         )
