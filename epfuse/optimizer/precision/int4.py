@@ -23,11 +23,15 @@ import contextlib
 import dataclasses
 import logging
 
+import numpy as np
 import onnx
 import onnx_ir as ir
 
 from . import Int4Options
 
+CHUNK_BYTES = 32 << 20
+"""Weights larger than this are quantized a block of columns at a time (see _chunked_matmul)."""
+_LAZY_BYTES = 1 << 16  # validate.WEIGHT_INPUT_BYTES: smaller tensors are inlined there anyway
 _SHAPE_OPS = frozenset(("Reshape", "Cast", "Identity", "Squeeze", "Unsqueeze", "Flatten"))
 
 
@@ -109,48 +113,41 @@ def _replace(
     op_types: tuple[str, ...],
     summary: Int4Summary,
 ) -> None:
-    MatMulNBitsQuantizer = _quantizer_class()
     graph = model.graph
     weight = node.inputs[weight_index]
     tensor = weight.const_value
     summary.weight_bytes_before += tensor.nbytes
-    mini = _single_node_model(model, node, weight_index)
-    quant_axes = (("Gather", 1),) if op_types == ("Gather",) else None
-    quantizer = MatMulNBitsQuantizer(
-        mini,
-        bits=4,
-        block_size=options.block_size,
-        is_symmetric=options.symmetric,
-        accuracy_level=options.accuracy_level or None,
-        op_types_to_quantize=op_types,
-        quant_axes=quant_axes,
-    )
-    logger = logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer")
-    level = logger.level
-    logger.setLevel(logging.WARNING)  # its per-node INFO lines are noise here
-    try:
-        quantizer.process()
-    finally:
-        logger.setLevel(level)
-    result = quantizer.model.model.graph
-    if [n.op_type for n in result.node] == [node.op_type]:
+    if op_types == ("MatMul",) and tensor.nbytes > CHUNK_BYTES:
+        nodes, initializers = _chunked_matmul(model, node, options, CHUNK_BYTES)
+    else:
+        result = _run_quantizer(_single_node_model(model, node, weight_index), options, op_types)
+        nodes, initializers = list(result.node), list(result.initializer)
+    if [n.op_type for n in nodes] == [node.op_type]:
         summary.kept.append(f"{node.name}: the quantizer kept it")
         summary.weight_bytes_after += tensor.nbytes
         return
     values: dict[str, ir.Value] = {v.name: v for v in node.inputs if v is not None}
-    for proto in result.initializer:
+    for proto in initializers:
         # A copy in a message of its own: a sub-message would keep the one-node model's whole
         # protobuf arena alive, fp32 weight bytes included, for as long as the int4 tensor.
         own = onnx.TensorProto.FromString(proto.SerializeToString())
         quantized = ir.serde.deserialize_tensor(own)
+        summary.weight_bytes_after += quantized.nbytes
+        if quantized.nbytes >= _LAZY_BYTES:
+            # Held as a lazy tensor, which the output validation treats like external data
+            # (a graph input, not copied into the proto it loads in ORT): the check needs the
+            # weight's type and shape, and a copy plus ORT's prepacking of every int4 weight
+            # would double the peak memory.
+            quantized = ir.LazyTensor(
+                (lambda t=quantized: t), dtype=quantized.dtype, shape=quantized.shape, name=own.name
+            )
         value = ir.Value(name=_fresh(graph, proto.name), const_value=quantized)
         value.dtype, value.shape = quantized.dtype, quantized.shape
         graph.register_initializer(value)
         values[proto.name] = value
-        summary.weight_bytes_after += quantized.nbytes
     old = node.outputs[0]
     created = []
-    for proto in result.node:
+    for proto in nodes:
         inputs = [values[name] if name else None for name in proto.input]
         attributes = [ir.serde.deserialize_attribute(a) for a in proto.attribute]
         new = ir.Node(
@@ -188,6 +185,90 @@ def _replace(
     _set_opset(model, "com.microsoft", 1)
 
 
+def _run_quantizer(
+    mini: onnx.ModelProto, options: Int4Options, op_types: tuple[str, ...]
+) -> onnx.GraphProto:
+    """ORT's MatMulNBitsQuantizer on a one-node model; the quantized graph."""
+    MatMulNBitsQuantizer = _quantizer_class()
+    quant_axes = (("Gather", 1),) if op_types == ("Gather",) else None
+    quantizer = MatMulNBitsQuantizer(
+        mini,
+        bits=4,
+        block_size=options.block_size,
+        is_symmetric=options.symmetric,
+        accuracy_level=options.accuracy_level or None,
+        op_types_to_quantize=op_types,
+        quant_axes=quant_axes,
+    )
+    logger = logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer")
+    level = logger.level
+    logger.setLevel(logging.WARNING)  # its per-node INFO lines are noise here
+    try:
+        quantizer.process()
+    finally:
+        logger.setLevel(level)
+    return quantizer.model.model.graph
+
+
+def _chunked_matmul(
+    model: ir.Model, node: ir.Node, options: Int4Options, chunk_bytes: int
+) -> tuple[list[onnx.NodeProto], list[onnx.TensorProto]]:
+    """Quantize a large [K, N] weight a block of output columns at a time.
+
+    ORT's quantizer holds several fp32 copies of the weight it quantizes (padded, transposed),
+    which for a large ``lm_head`` is most of the model. Its blocks run along K, one scale (and
+    zero point) per column and block, so column slices quantize independently: the int4
+    weight, scales and zero points of the slices, stacked along N (their first axis, N-major
+    when flattened), are the whole weight's (checked in the tests).
+    """
+    weight = node.inputs[1]
+    tensor = weight.const_value
+    k, n = (int(d) for d in tensor.shape)
+    itemsize = max(tensor.nbytes // max(k * n, 1), 1)
+    step = max(1, chunk_bytes // (k * itemsize))
+    pieces: list[tuple[onnx.NodeProto, list[onnx.TensorProto]]] = []
+    for start in range(0, n, step):
+        view = tensor.numpy()
+        part = np.array(view[:, start : start + step], copy=True)
+        del view  # no view of the mapping may outlive the copy, or it cannot be unmapped
+        if isinstance(tensor, ir.ExternalTensor):
+            with contextlib.suppress(BufferError):
+                tensor.release()  # only the pages of these columns were read
+        mini = _single_node_model(model, node, 1, array=part)
+        del part
+        result = _run_quantizer(mini, options, ("MatMul",))
+        nodes = list(result.node)
+        if [x.op_type for x in nodes] != ["MatMulNBits"]:
+            return [onnx.helper.make_node(node.op_type, [], [])], []
+        # Copies in messages of their own: a sub-message keeps the chunk model's protobuf
+        # arena (its fp32 columns included) alive.
+        own_node = onnx.NodeProto.FromString(nodes[0].SerializeToString())
+        own = [onnx.TensorProto.FromString(t.SerializeToString()) for t in result.initializer]
+        pieces.append((own_node, own))
+        del result, nodes, mini
+    first, first_inits = pieces[0]
+    by_name = {t.name: i for i, t in enumerate(first_inits)}
+    merged = []
+    for proto in first_inits:
+        arrays = []
+        for piece_node, inits in pieces:
+            index = by_name[proto.name]
+            array = onnx.numpy_helper.to_array(inits[index])
+            cols = next(a.i for a in piece_node.attribute if a.name == "N")
+            arrays.append(array.reshape(cols, -1))
+        whole = np.concatenate(arrays, axis=0)
+        shape = (n, *onnx.numpy_helper.to_array(first_inits[by_name[proto.name]]).shape[1:])
+        if len(shape) == 1:
+            shape = (whole.size,)
+        merged.append(onnx.numpy_helper.from_array(whole.reshape(shape), proto.name))
+    combined = onnx.NodeProto()
+    combined.CopyFrom(first)
+    for attribute in combined.attribute:
+        if attribute.name == "N":
+            attribute.i = n
+    return [combined], merged
+
+
 def _quantizer_class():
     """``MatMulNBitsQuantizer``, imported without the root-logger set-up its module does at
     import (``logging.basicConfig(level=INFO)``), which would make every library's INFO
@@ -202,15 +283,20 @@ def _quantizer_class():
     return MatMulNBitsQuantizer
 
 
-def _single_node_model(model: ir.Model, node: ir.Node, weight_index: int) -> onnx.ModelProto:
-    """A model of ``node`` alone, its weight loaded (the only fp32 weight in memory)."""
+def _single_node_model(
+    model: ir.Model, node: ir.Node, weight_index: int, array: np.ndarray | None = None
+) -> onnx.ModelProto:
+    """A model of ``node`` alone, its weight (or ``array``, a slice of it) loaded: the only
+    fp32 weight in memory."""
     weight = node.inputs[weight_index]
     other = node.inputs[1 - weight_index]
     tensor = weight.const_value
+    data = tensor.numpy() if array is None else array
     # Loaded here (an external or lazy tensor becomes bytes): the one weight in memory.
-    weight_proto = ir.serde.serialize_tensor(ir.Tensor(tensor.numpy(), dtype=tensor.dtype))
+    weight_proto = ir.serde.serialize_tensor(ir.Tensor(data, dtype=tensor.dtype))
+    del data
     weight_proto.name = weight.name
-    if isinstance(tensor, ir.ExternalTensor):
+    if array is None and isinstance(tensor, ir.ExternalTensor):
         with contextlib.suppress(BufferError):  # a view still alive elsewhere: keep it
             tensor.release()  # unmap: the proto holds the one copy now
     fallback = tensor.dtype if weight_index == 1 else ir.DataType.INT64

@@ -110,3 +110,34 @@ def test_float_compute_int4_fused_equals_unfused_at_the_fp32_tolerance(fp32_mode
     result = compare_models(unfused, fused)
     assert result.tolerance == tolerance_for("float32")
     assert result.passed, str(result)
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_column_chunks_quantize_to_the_whole_weights_numbers(symmetric):
+    """Large weights are quantized a block of columns at a time (peak memory); the stacked
+    result is byte for byte what ORT's quantizer makes of the whole weight."""
+    import onnx_ir as ir
+
+    from epfuse.optimizer.precision import int4
+
+    rng = np.random.default_rng(0)
+    k, n = 96, 200
+    x = ir.Value(name="x", type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape(["s", k]))
+    w = ir.Value(name="w", const_value=ir.tensor(rng.standard_normal((k, n)).astype(np.float32)))
+    w.dtype, w.shape = ir.DataType.FLOAT, ir.Shape([k, n])
+    node = ir.node("MatMul", [x, w], name="mm")
+    node.outputs[0].name, node.outputs[0].dtype = "y", ir.DataType.FLOAT
+    graph = ir.Graph([x], node.outputs, nodes=[node], initializers=[w], opset_imports={"": 21})
+    model = ir.Model(graph, ir_version=10)
+    options = Int4Options(symmetric=symmetric)
+    whole = int4._run_quantizer(int4._single_node_model(model, node, 1), options, ("MatMul",))
+    chunk = k * 4 * 48  # 48 columns per chunk: 5 chunks, the last one short
+    nodes, inits = int4._chunked_matmul(model, node, options, chunk)
+    (expected,) = whole.node
+    assert [a for a in nodes[0].attribute] == [a for a in expected.attribute]
+    want = {t.name: onnx.numpy_helper.to_array(t) for t in whole.initializer}
+    got = {t.name: onnx.numpy_helper.to_array(t) for t in inits}
+    assert want.keys() == got.keys() and len(want) == (2 if symmetric else 3)
+    for name in want:
+        assert got[name].dtype == want[name].dtype and got[name].shape == want[name].shape
+        np.testing.assert_array_equal(got[name], want[name])
