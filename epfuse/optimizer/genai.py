@@ -28,7 +28,7 @@ import onnx_ir as ir
 
 from epfuse.capabilities import EPCapabilities, get_ep
 from epfuse.errors import UnsupportedModelError
-from epfuse.patterns.lower.gqa import _heads as attention_heads
+from epfuse.patterns.analysis.head_counts import HeadCounts, attention_heads
 
 from .io import save_model
 from .report import Report
@@ -242,15 +242,9 @@ def genai_config(
         heads = text.get("num_attention_heads")
         attention = [n for n in graph if (n.domain, n.op_type) == ("", "Attention")]
         if attention:
-            node = attention[0]
-            found = attention_heads(
-                node,
-                node.inputs[0],
-                node.inputs[1],
-                node.inputs[4] if len(node.inputs) > 4 else None,
-            )
-            if not isinstance(found, str):
-                heads = found[0]
+            found = attention_heads(attention[0])
+            if isinstance(found, HeadCounts):
+                heads = found.q_heads
     kv_heads = kv_heads or text.get("num_key_value_heads")
     head_size = head_size or text.get("head_dim")
     if not all(isinstance(x, int) for x in (heads, kv_heads, head_size)):

@@ -22,6 +22,7 @@ import onnx_ir.passes.common as common_passes
 
 from epfuse.capabilities import EPCapabilities
 from epfuse.patterns import RULES, Kept, OptimizeOptions, RewriteContext, Rewritten, Rule, Stage
+from epfuse.patterns.analysis.shapes import declared_names, refine_shapes
 from epfuse.patterns.base import LAYER_KEY
 from epfuse.patterns.legalize._common import missing
 
@@ -316,6 +317,7 @@ def _infer_types(model: ir.Model) -> str | None:
     itself and logs it with a traceback; the log is captured here instead of reaching the
     user's terminal (the report carries the one line that matters).
     """
+    declared = declared_names(model.graph)
     captured: list[logging.LogRecord] = []
 
     class _Capture(logging.Handler):
@@ -335,6 +337,9 @@ def _infer_types(model: ir.Model) -> str | None:
     finally:
         log.removeHandler(handler)
         log.propagate = propagate
+    # Dims inference left anonymous (TorchScript's run-time reshape targets, residual adds
+    # of differently named dims) are derived from the ops' shape rules where provable.
+    refine_shapes(model.graph, declared)
     failures = [r for r in captured if r.exc_info or "failed" in str(r.msg)]
     if not failures:
         return None  # only "value not found" notes: inference ran

@@ -17,12 +17,38 @@ import onnxruntime as ort
 
 
 def value_dependencies(value: ir.Value) -> tuple[set[ir.Value], set[ir.Value]]:
-    """(graph inputs read by value, graph inputs read only through their shape)."""
+    """(graph inputs read by value, graph inputs read only through their shape).
+
+    ``Shape`` of an intermediate value reads the inputs that value's *shape* depends on:
+    found by :func:`_shape_operands`, which knows which operands of an op decide the output
+    shape by their value (a Reshape target, Slice bounds) and which only by their shape (the
+    data of elementwise ops, MatMul, Gather, ...). So ``Shape(Gather(embedding, input_ids))``
+    reads ``input_ids`` only through its shape, and evaluating the piece at every probe
+    size covers all it can see.
+    """
     by_value: set[ir.Value] = set()
     by_shape: set[ir.Value] = set()
     seen: set[int] = set()
+    seen_shape: set[int] = set()
     stack = [value]
-    while stack:
+    shape_stack: list[ir.Value] = []
+    while stack or shape_stack:
+        if shape_stack:
+            v = shape_stack.pop()
+            if id(v) in seen_shape:
+                continue
+            seen_shape.add(id(v))
+            if v.is_graph_input():
+                by_shape.add(v)
+                continue
+            if v.const_value is not None or v.producer() is None:
+                continue
+            node = v.producer()
+            _check_no_subgraph(node)
+            read_value, read_shape = _shape_operands(node)
+            stack.extend(read_value)
+            shape_stack.extend(read_shape)
+            continue
         v = stack.pop()
         if id(v) in seen:
             continue
@@ -35,32 +61,69 @@ def value_dependencies(value: ir.Value) -> tuple[set[ir.Value], set[ir.Value]]:
         node = v.producer()
         if node is None:
             continue
-        if node.op_type == "Shape" and node.domain == "":
+        if node.op_type in ("Shape", "Size") and node.domain == "":
             src = node.inputs[0]
-            if src is not None and src.is_graph_input():
-                by_shape.add(src)
-            elif src is not None:
-                stack.extend(_shape_sources(src, seen))
-            continue
-        if node.op_type == "Size" and node.domain == "":
-            src = node.inputs[0]
-            if src is not None and src.is_graph_input():
-                by_shape.add(src)
+            if src is not None:
+                shape_stack.append(src)
             continue
         stack.extend(i for i in node.inputs if i is not None)
-        for attr_value in node.attributes.values():
-            if attr_value.type == ir.AttributeType.GRAPH:
-                raise _Unprovable("subgraph attribute in the analysed region")
+        _check_no_subgraph(node)
     return by_value, by_shape - by_value
 
 
-def _shape_sources(value: ir.Value, seen: set[int]) -> list[ir.Value]:
-    # The shape of an intermediate value may depend on input values; be conservative and
-    # treat its producer's inputs as read by value.
-    node = value.producer()
-    if node is None:
-        return [value]
-    return [i for i in node.inputs if i is not None]
+def _check_no_subgraph(node: ir.Node) -> None:
+    for attr_value in node.attributes.values():
+        if attr_value.type == ir.AttributeType.GRAPH:
+            raise _Unprovable("subgraph attribute in the analysed region")
+
+
+# Ops whose output shape is a function of their operands' shapes (and attributes) only.
+_SHAPE_FROM_SHAPES = frozenset(
+    {
+        "Abs", "Add", "And", "Cast", "CastLike", "Ceil", "Concat", "Cos", "Div", "Einsum",
+        "Equal", "Erf", "Exp", "Flatten", "Floor", "Gather", "GatherElements", "Gelu", "Gemm",
+        "Greater", "GreaterOrEqual", "Identity", "IsInf", "IsNaN", "LayerNormalization",
+        "Less", "LessOrEqual", "Log", "LogSoftmax", "MatMul", "Max", "Min", "Mod", "Mul",
+        "Neg", "Not", "Or", "Pow", "Reciprocal", "Relu", "RMSNormalization", "Shape",
+        "Sigmoid", "Sign", "Sin", "Size", "Softmax", "Sqrt", "Sub", "Tanh", "Transpose",
+        "Trilu", "Where", "Xor",
+    }
+)  # fmt: skip
+# Ops whose output shape reads some operands by value: op -> indices of those operands
+# (the others, if any, only by shape).
+_SHAPE_FROM_VALUES = {
+    "Reshape": (1,),
+    "Expand": (1,),
+    "Slice": (1, 2, 3, 4),
+    "Unsqueeze": (1,),
+    "Squeeze": (1,),
+    "Tile": (1,),
+    "ConstantOfShape": (0,),
+    "Range": (0, 1, 2),
+    "Pad": (1, 2, 3),
+    "Split": (1,),
+    "ReduceMean": (1,),
+    "ReduceSum": (1,),
+    "ReduceMax": (1,),
+    "ReduceMin": (1,),
+}
+
+
+def _shape_operands(node: ir.Node) -> tuple[list[ir.Value], list[ir.Value]]:
+    """(operands read by value, operands read by shape) that decide ``node``'s output shape.
+
+    Unknown ops (and other domains) are conservative: every operand counts as read by value.
+    """
+    operands = list(node.inputs)
+    if node.domain in ("", "ai.onnx"):
+        if node.op_type in _SHAPE_FROM_SHAPES:
+            return [], [v for v in operands if v is not None]
+        by_value = _SHAPE_FROM_VALUES.get(node.op_type)
+        if by_value is not None:
+            read_value = [v for i, v in enumerate(operands) if v is not None and i in by_value]
+            read_shape = [v for i, v in enumerate(operands) if v is not None and i not in by_value]
+            return read_value, read_shape
+    return [v for v in operands if v is not None], []
 
 
 class _Unprovable(Exception):

@@ -217,20 +217,72 @@ def shape_vector(value: ir.Value | None, _depth: int = 0) -> list[Dim] | None:
             return [data[i] for i in idx]
         except IndexError:
             return None
-    if op in ("Add", "Sub", "Mul"):
-        a = shape_vector(node.inputs[0], _depth + 1)
-        b = shape_vector(node.inputs[1], _depth + 1)
-        if a is None or b is None or len(a) != 1 or len(b) != 1:
+    if op in ("Add", "Sub", "Mul", "Div", "Equal", "Where"):
+        parts = [shape_vector(v, _depth + 1) for v in node.inputs]
+        if any(p is None for p in parts):
             return None
-        x, y = a[0], b[0]
-        if isinstance(x, int) and isinstance(y, int):
-            return [{"Add": x + y, "Sub": x - y, "Mul": x * y}[op]]
-        if op == "Add" and y == 0:
-            return [x]
-        if op in ("Add", "Mul"):
-            x, y = sorted((x, y), key=repr)
-        return [(op, x, y)]
+        width = max(len(p) for p in parts)
+        if any(len(p) not in (1, width) for p in parts):
+            return None
+        columns = zip(*(p * width if len(p) == 1 else p for p in parts), strict=True)
+        out = [_elementwise(op, *column) for column in columns]
+        return None if any(x is None for x in out) else out
+    if op == "ConstantOfShape":
+        length = shape_vector(node.inputs[0], _depth + 1)
+        fill = attr(node, "value")
+        array = fill.numpy() if fill is not None else np.zeros(1, dtype=np.float32)
+        if length is None or len(length) != 1 or not isinstance(length[0], int):
+            return None
+        if array.dtype.kind not in "iub" or array.size != 1:
+            return None
+        return [int(array.reshape(-1)[0])] * length[0]
     return None
+
+
+def _nonnegative(term: Dim) -> bool:
+    """A term that is a size: a dimension, or sums and products of sizes."""
+    if isinstance(term, int):
+        return term >= 0
+    if isinstance(term, tuple) and term[:1] in (("dim",), ("sym",)):
+        return True
+    return (
+        isinstance(term, tuple)
+        and term[:1] in (("Add",), ("Mul",))
+        and all(_nonnegative(t) for t in term[1:])
+    )
+
+
+def _elementwise(op: str, *args: Dim) -> Dim | None:
+    """One element of an arithmetic / comparison / select on shape vectors (None: unknown).
+
+    ``Equal`` and ``Where`` cover torch's ``expand(..., -1, ...)`` idiom
+    ``Where(shape == -1, 1, shape)``: a size is never -1."""
+    if op == "Where":
+        cond, x, y = args
+        if not isinstance(cond, int):
+            return None
+        return x if cond else y
+    x, y = args
+    if isinstance(x, int) and isinstance(y, int):
+        if op == "Div":
+            return x // y if y != 0 and x % y == 0 else None
+        return {"Add": x + y, "Sub": x - y, "Mul": x * y, "Equal": int(x == y)}[op]
+    if op == "Equal":
+        if x == y:
+            return 1
+        for a, b in ((x, y), (y, x)):
+            if isinstance(b, int) and b < 0 and _nonnegative(a):
+                return 0
+        return None
+    if (op == "Add" and y == 0) or (op in ("Mul", "Div") and y == 1):
+        return x
+    if op == "Mul" and x == 1:
+        return y
+    if op == "Div":
+        return None
+    if op in ("Add", "Mul"):
+        x, y = sorted((x, y), key=repr)
+    return (op, x, y)
 
 
 def same_dim(a: Dim, b: Dim) -> bool:

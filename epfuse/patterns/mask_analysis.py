@@ -29,7 +29,7 @@ from ._evaluate import SubgraphEvaluator, _Unprovable, value_dependencies
 from ._graph import attr, input_at
 from ._signature import probe_array
 
-_MASKED_BELOW = -1.0e4  # an additive mask entry at or below this counts as "masked"
+MASKED_BELOW = -1.0e4  # an additive mask entry at or below this counts as "masked"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,7 +85,7 @@ def _to_allowed(mask: np.ndarray) -> np.ndarray | None:
     if mask.dtype == np.bool_:
         return mask
     if mask.dtype.kind == "f":
-        ok = (mask == 0) | (mask <= _MASKED_BELOW)
+        ok = (mask == 0) | (mask <= MASKED_BELOW)
         if not ok.all():
             return None
         return mask == 0
@@ -99,7 +99,27 @@ def analyze_mask(node: ir.Node, graph: ir.Graph, max_seq_len: int, cache: dict) 
     has_past = input_at(node, 4) is not None
     if mask is None:
         return "the layer has no attention-mask input, so padding cannot be read from one"
-    key = ("mask", id(mask), is_causal, has_past, max_seq_len)
+    return analyze_mask_value(
+        mask, graph, max_seq_len, cache, is_causal=is_causal, has_past=has_past
+    )
+
+
+def analyze_mask_value(
+    mask: ir.Value,
+    graph: ir.Graph,
+    max_seq_len: int,
+    cache: dict,
+    *,
+    is_causal: bool = False,
+    has_past: bool = False,
+) -> ProvenMask | str:
+    """Return the proven mask of an additive (or boolean) mask value, or why it is unproven.
+
+    The canonicalization of a layer that is not yet an ``Attention`` (the softmax NaN guard
+    of torch's SDPA) asks this of the mask it is about to hand to one.
+    """
+    # has_past only aligns is_causal; without it the answer is the same either way.
+    key = ("mask", id(mask), is_causal, has_past and is_causal, max_seq_len)
     if key in cache:
         return cache[key]
     try:

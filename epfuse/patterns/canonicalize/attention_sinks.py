@@ -48,12 +48,11 @@ from .._graph import (
 )
 from .._opset import require_default_opset
 from .._signature import probe_array
+from ..analysis.head_counts import axis_size, record_heads
 from ..base import Kept, RewriteContext, Rewritten, Rule, Stage
 from .sdpa import (
     DecomposedAttentionToAttention,
-    _head_count,
     _Match,
-    _record_heads,
     _single_consumer,
 )
 
@@ -132,7 +131,7 @@ class AttentionSinksToAttention(Rule):
         reason = DecomposedAttentionToAttention._check(node, q, k, v, m, guarded=False)
         if reason:
             return Kept(f"attention sinks: {reason}")
-        heads = [_head_count(x) for x in (q, k, v)]
+        heads = [axis_size(x) for x in (q, k, v)]
         sinks = _prove_sinks(ctx, scores, column, v, pv.outputs[0], heads[0], heads[2])
         if isinstance(sinks, str):
             return Kept(f"attention sinks not proven: {sinks}")
@@ -167,7 +166,7 @@ class AttentionSinksToAttention(Rule):
             new.metadata_props.update(pv.metadata_props)
             ctx.graph.insert_before(pv, new)
         for value, count in zip((q, k, v), heads, strict=True):
-            _record_heads(value, count)
+            record_heads(value, count)
         y, old = scaled.outputs[0], pv.outputs[0]
         y.shape, y.type = old.shape, old.type
         y_att.shape, y_att.type = old.shape, old.type

@@ -26,8 +26,10 @@ The emitted op is opset 23, so the model's default opset is raised (see ``_opset
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
+import ml_dtypes
 import numpy as np
 import onnx_ir as ir
 
@@ -37,14 +39,16 @@ from .._graph import (
     const_ints,
     const_scalar,
     dim,
+    initializer,
     producer,
     remove_dead,
     replace_value,
     shape_vector,
 )
-from .._layout import last_dim
 from .._opset import require_default_opset
+from ..analysis.head_counts import axis_size, record_heads
 from ..base import Kept, RewriteContext, Rewritten, Rule, Stage
+from ..mask_analysis import MASKED_BELOW, analyze_mask_value
 
 _FLOATS = (ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16, ir.DataType.DOUBLE)
 
@@ -129,6 +133,110 @@ def _proven_finite(value: ir.Value, depth: int = 0) -> bool:
     if node.op_type in ("Expand", "Reshape", "Unsqueeze", "Squeeze", "Slice", "Identity"):
         return _proven_finite(node.inputs[0], depth + 1)
     return False
+
+
+def _key_slice_source(value: ir.Value, k: ir.Value) -> ir.Value:
+    """``x`` when ``value`` is ``x[..., :T]`` with T the key length of K (torch's SDPA slices
+    the mask to the keys); else ``value``. The slice is a no-op exactly when ``x`` has T
+    columns, which the mask proof establishes (a longer mask does not broadcast)."""
+    node = producer(value, "Slice")
+    if node is None or len(node.inputs) < 4:
+        return value
+    steps = node.inputs[4] if len(node.inputs) > 4 else None
+    if const_ints(node.inputs[1]) != [0] or const_ints(node.inputs[3]) not in ([-1], [3]):
+        return value
+    if (steps is not None and const_ints(steps) != [1]) or _rank(node.inputs[0]) != 4:
+        return value
+    if shape_vector(node.inputs[2]) != [dim(k, 2)]:
+        return value
+    return node.inputs[0]
+
+
+def _lowest(dtype: ir.DataType) -> float:
+    """The dtype's lowest finite number (ml_dtypes knows bfloat16 as well as numpy's floats)."""
+    return float(ml_dtypes.finfo(dtype.numpy()).min)
+
+
+@dataclasses.dataclass(frozen=True)
+class _InertGuardPlan:
+    """The finite mask that replaces a -inf mask whose NaN guard is proven inert.
+
+    ``source`` is a boolean "visible" mask (``where``: the mask was ``Where(source, 0, -inf)``)
+    or the additive mask itself (``Max(source, lowest)``). Masked entries become the dtype's
+    lowest finite number: on a row with a visible key that is exactly the -inf result
+    (``exp`` underflows to 0), and a row with none — only padding rows, by the proof — gets
+    finite values instead of the guard's zeros, so no NaN can reach valid rows through the
+    padded positions' K/V in later layers.
+    """
+
+    source: ir.Value
+    dtype: ir.DataType
+    where: bool
+
+    def build(self, ctx: RewriteContext) -> ir.Value:
+        key = ("finite-mask", id(self.source), self.dtype, self.where)
+        if key in ctx.cache:
+            return ctx.cache[key]
+        graph = ctx.graph
+        lowest = np.array(_lowest(self.dtype), dtype=np.float32)
+        base = f"{self.source.name or 'mask'}/epfuse_finite"
+        if self.where:
+            zero = np.array(0.0, dtype=np.float32)
+            consts = [
+                _typed_initializer(graph, f"{base}/visible", zero, self.dtype),
+                _typed_initializer(graph, f"{base}/masked", lowest, self.dtype),
+            ]
+            node = ir.node("Where", [self.source, *consts], name=base)
+        else:
+            floor = _typed_initializer(graph, f"{base}/lowest", lowest, self.dtype)
+            node = ir.node("Max", [self.source, floor], name=base)
+        out = node.outputs[0]
+        out.name = base
+        out.dtype = self.dtype
+        out.shape = self.source.shape
+        producer_node = self.source.producer()
+        if producer_node is not None and producer_node.graph is graph:
+            graph.insert_after(producer_node, node)
+        else:
+            graph.insert_before(graph.node(0), node)
+        ctx.cache[key] = out
+        return out
+
+
+def _typed_initializer(graph: ir.Graph, name: str, value: np.ndarray, dtype: ir.DataType):
+    return initializer(graph, name, value.astype(dtype.numpy()))
+
+
+def _plan_inert_guard(mask: ir.Value, k: ir.Value, ctx: RewriteContext):
+    """Prove the NaN guard after the softmax is inert on valid rows, by evaluating the mask.
+
+    ``Where(IsNaN(P), 0, P)`` differs from ``P`` only on rows whose keys are all masked with
+    -inf. The mask (with torch's slice to the key length peeled) is proven causal + padding,
+    optionally with a sliding window (``mask_analysis``): every valid query row then sees at
+    least its own key, so the guard changes only padding rows, which the model's input
+    contract (right padding) leaves unread. Returns the plan, or why the guard must stay.
+    """
+    dtype = mask.dtype
+    where = producer(mask, "Where")
+    if where is not None:
+        visible, masked = const_scalar(where.inputs[1]), const_scalar(where.inputs[2])
+        if (
+            where.inputs[0].dtype == ir.DataType.BOOL
+            and visible == 0.0
+            and masked is not None
+            and masked <= MASKED_BELOW
+            and (const_array(where.inputs[2]).ndim <= 4)
+        ):
+            source = _key_slice_source(where.inputs[0], k)
+            plan = _InertGuardPlan(source, dtype, where=True)
+        else:
+            where = None
+    if where is None:
+        plan = _InertGuardPlan(_key_slice_source(mask, k), dtype, where=False)
+    proven = analyze_mask_value(plan.source, ctx.graph, ctx.options.max_seq_len, ctx.cache)
+    if isinstance(proven, str):
+        return f"the mask is not finite and not proven to leave a key for every row ({proven})"
+    return plan
 
 
 class _Match:
@@ -226,14 +334,21 @@ class DecomposedAttentionToAttention(Rule):
             return Kept(parsed)
         q, k = parsed
 
-        reason = self._check(node, q, k, v, m, guarded)
+        reason = self._check(node, q, k, v, m)
         if reason:
             return Kept(reason)
-        heads = [_head_count(x) for x in (q, k, v)]
+        guard_plan = None
+        if guarded and m.mask is not None and not _proven_finite(m.mask):
+            guard_plan = _plan_inert_guard(m.mask, k, ctx)
+            if isinstance(guard_plan, str):
+                return Kept(f"the softmax NaN guard is kept: {guard_plan}")
+        heads = [axis_size(x) for x in (q, k, v)]
         reason = require_default_opset(ctx.model, 23, ctx.cache)
         if reason:
             return Kept(reason)
 
+        if guard_plan is not None:
+            m.mask = guard_plan.build(ctx)
         attributes: dict[str, object] = {"scale": float(m.scale)}
         if m.softcap:
             attributes["softcap"] = float(m.softcap)
@@ -248,7 +363,7 @@ class DecomposedAttentionToAttention(Rule):
         )
         ctx.graph.insert_before(pv, fused)
         for value, count in zip((q, k, v), heads, strict=True):
-            _record_heads(value, count)
+            record_heads(value, count)
         y, old = fused.outputs[0], pv.outputs[0]
         y.shape, y.type = old.shape, old.type
         if old.name and not old.is_graph_output():
@@ -280,7 +395,7 @@ class DecomposedAttentionToAttention(Rule):
         return parsed
 
     @staticmethod
-    def _check(softmax: ir.Node, q, k, v, m: _Match, guarded: bool) -> str | None:
+    def _check(softmax: ir.Node, q, k, v, m: _Match) -> str | None:
         for name, value in (("Q", q), ("K", k), ("V", v)):
             if _rank(value) != 4:
                 return f"{name} is not rank 4 (batch, heads, seq, head_size)"
@@ -296,7 +411,7 @@ class DecomposedAttentionToAttention(Rule):
         hq, hk = dim(q, 3), dim(k, 3)
         if isinstance(hq, int) and isinstance(hk, int) and hq != hk:
             return "Q and K head sizes differ"
-        nq, nk, nv = _head_count(q), _head_count(k), _head_count(v)
+        nq, nk, nv = axis_size(q), axis_size(k), axis_size(v)
         if not all(isinstance(n, int) for n in (nq, nk, nv)):
             return "head counts are not static"
         if nk != nv or nq % nk:
@@ -308,95 +423,7 @@ class DecomposedAttentionToAttention(Rule):
                 return "the additive mask does not have the model dtype"
             if _rank(m.mask) is None or _rank(m.mask) > 4:
                 return "the mask rank is unknown or above 4"
-        if guarded and m.mask is not None and not _proven_finite(m.mask):
-            return "the softmax NaN guard is kept: the mask is not proven finite"
         return None
-
-
-_ELEMENTWISE = ("Add", "Sub", "Mul", "Div", "Neg", "Cast", "Identity", "Where")
-
-
-def _head_count(value: ir.Value, depth: int = 0, axis: int = 1) -> int | None:
-    """The static size of ``axis`` (by default 1, the heads of (B, N, S, H)) of a rank-4 value.
-
-    From its shape when ONNX inference knew it; else from the op that made it: a Reshape
-    target (repeat_kv; ``[B, S, -1, H]`` resolved from the input's static width), a Transpose
-    (the axis it came from), or ops that keep or broadcast the axis (elementwise ops: the
-    broadcast maximum of their rank-4 operands; Slice and Concat on the last axis;
-    RotaryEmbedding; normalizations over the last axis, e.g. Qwen3's q/k norms).
-    """
-    known = dim(value, axis)
-    if isinstance(known, int):
-        return known
-    node = value.producer()
-    if node is None or depth > 12 or node.domain != "":
-        return None
-    op = node.op_type
-    if op == "Reshape":
-        target = shape_vector(node.inputs[1])
-        if target is None or len(target) != 4:
-            return None
-        got = target[axis]
-        if isinstance(got, int) and got > 0:
-            return got
-        width, head_size = last_dim(node.inputs[0]), target[3]
-        if got == -1 and axis == 2 and isinstance(head_size, int) and head_size > 0 and width:
-            return width // head_size if width % head_size == 0 else None
-        return None
-    if op == "Transpose":
-        perm = list(attr(node, "perm", []))
-        if len(perm) != 4:
-            return None
-        return _head_count(node.inputs[0], depth + 1, perm[axis])
-    if op == "Slice":
-        axes = const_ints(node.inputs[3]) if len(node.inputs) > 3 else None
-        keeps = axes in ([-1], [3]) and axis != 3
-        return _head_count(node.inputs[0], depth + 1, axis) if keeps else None
-    if op == "Concat":
-        if attr(node, "axis") not in (-1, 3) or axis == 3:
-            return None
-        return _head_count(node.inputs[0], depth + 1, axis)
-    if op in ("RotaryEmbedding", "RMSNormalization", "LayerNormalization"):
-        if op != "RotaryEmbedding" and attr(node, "axis", -1) not in (-1, 3):
-            return None
-        return _head_count(node.inputs[0], depth + 1, axis)
-    if op in _ELEMENTWISE:
-        counts = []
-        for operand in node.inputs:
-            if operand is None or (
-                operand.const_value is not None
-                and operand.shape is not None
-                and len(operand.shape) < 2
-            ):
-                continue
-            rank = _rank(operand)
-            if rank is None or rank > 4:
-                return None
-            if rank < 4:  # right-aligned broadcast: does it reach the axis?
-                position = axis - (4 - rank)
-                if position < 0:
-                    continue
-                size = dim(operand, position)
-                if not isinstance(size, int):
-                    return None
-                counts.append(size)
-                continue
-            got = _head_count(operand, depth + 1, axis)
-            if got is None:
-                return None
-            counts.append(got)
-        return max(counts) if counts else None
-    return None
-
-
-def _record_heads(value: ir.Value, heads: int) -> None:
-    """Write a proven head count into a value's shape where ONNX inference left it unknown,
-    so later rules (GQA lowering) read it without re-deriving it."""
-    if value.shape is None or isinstance(value.shape[1], int) or value.is_graph_input():
-        return  # known already, or part of the model's signature (left as declared)
-    dims = list(value.shape)
-    dims[1] = heads
-    value.shape = ir.Shape(dims)
 
 
 def _default_opset(node: ir.Node) -> int:

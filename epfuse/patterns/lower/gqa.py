@@ -40,7 +40,8 @@ from .._graph import (
     producer,
     replace_value,
 )
-from .._layout import bsd_consumer, from_bsd, last_dim, to_bsd
+from .._layout import bsd_consumer, from_bsd, to_bsd
+from ..analysis.head_counts import attention_heads
 from ..base import Kept, RewriteContext, Rewritten, Rule, Stage
 from ..canonicalize.rope_caches import evaluated_equal
 from ..canonicalize.rotate_half import RotateHalfToRotaryEmbedding
@@ -87,48 +88,6 @@ class _Rope:
         return evaluated_equal(ctx, [self.cos, self.sin], [other.cos, other.sin])
 
 
-def _heads(node: ir.Node, q: ir.Value, k: ir.Value, past_k: ir.Value | None):
-    """(num_heads, kv_heads, head_size, layout_rank) or a reason."""
-    rank = len(q.shape) if q.shape is not None else None
-    q_heads, kv_heads = attr(node, "q_num_heads"), attr(node, "kv_num_heads")
-    if q_heads is not None and kv_heads is not None:
-        width = last_dim(q)
-        if width is None or width % q_heads:
-            return "cannot determine the head size"
-        return q_heads, kv_heads, width // q_heads, 3
-    for source in (past_k, k):
-        if source is not None and source.shape is not None and len(source.shape) == 4:
-            kvh, hs = source.shape[1], source.shape[3]
-            if isinstance(kvh, int) and isinstance(hs, int):
-                break
-    else:
-        kvh = hs = None
-    qh = q.shape[1] if q.shape is not None and rank == 4 else None
-    if not isinstance(qh, int):
-        qh = _heads_from_producer(q, hs)
-    if not all(isinstance(x, int) for x in (qh, kvh, hs)):
-        return "cannot determine head counts and head size statically"
-    return qh, kvh, hs, 4
-
-
-_SHAPE_KEEPING = (
-    "RotaryEmbedding",
-    "Transpose",
-    "RMSNormalization",  # Qwen3 per-head q/k norm: keeps the shape
-    "SimplifiedLayerNormalization",
-)
-
-
-def _heads_from_producer(q: ir.Value, head_size: int | None) -> int | None:
-    node = q.producer()
-    while node is not None and node.op_type in _SHAPE_KEEPING:
-        node = node.inputs[0].producer()
-    if node is None or node.op_type != "Reshape" or head_size is None:
-        return None
-    width = last_dim(node.inputs[0])
-    return width // head_size if width and width % head_size == 0 else None
-
-
 class AttentionToGQA(Rule):
     name = "attention-to-gqa"
     stage = Stage.LOWER
@@ -154,10 +113,11 @@ class AttentionToGQA(Rule):
             return Kept("the Attention has no past_key/past_value inputs (KV cache not canonical)")
         if len(node.inputs) > 6 and node.inputs[6] is not None:
             return Kept("nonpad_kv_seqlen is not expressible in GroupQueryAttention")
-        heads = _heads(node, q, k, past_k)
+        heads = attention_heads(node, ctx.cache)
         if isinstance(heads, str):
             return Kept(heads)
-        num_heads, kv_heads, head_size, rank = heads
+        num_heads, kv_heads = heads.q_heads, heads.kv_heads
+        head_size, rank = heads.head_size, heads.layout_rank
         sink = match_sink(node, num_heads) if qk_used(node) else None
         if isinstance(sink, str):
             return Kept(sink)

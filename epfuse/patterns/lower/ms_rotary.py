@@ -23,8 +23,9 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
-from .._graph import attr, dim, ensure_opset, input_at, replace_value, shape_vector
+from .._graph import attr, ensure_opset, input_at, replace_value
 from .._layout import last_dim
+from ..analysis.head_counts import axis_size
 from ..base import Kept, RewriteContext, Rewritten, Rule, Stage
 
 
@@ -59,7 +60,7 @@ class OnnxRotaryToContrib(Rule):
         if len(x.shape) == 4:
             heads, head_size = x.shape[1], x.shape[3]
             if not isinstance(heads, int) and isinstance(head_size, int):
-                heads = _heads_of_bnsh(x, head_size)
+                heads = axis_size(x, 1)
             declared = attr(node, "num_heads")
             if declared and isinstance(heads, int) and declared != heads:
                 return Kept("num_heads disagrees with the input's head axis")
@@ -96,37 +97,3 @@ class OnnxRotaryToContrib(Rule):
         kind = "interleaved" if interleaved else "half-split"
         partial = f", partial {rotary_dim}/{head_size}" if rotary_dim != head_size else ""
         return Rewritten(f"RotaryEmbedding -> com.microsoft::RotaryEmbedding ({kind}{partial})")
-
-
-def _heads_of_bnsh(x: ir.Value, head_size: int) -> int | None:
-    """Heads of ``x = Transpose(norm*(Reshape(y, [B, S, -1|N, H])), [0, 2, 1, 3])`` with y
-    (B, S, N*H); ``norm*`` are shape-keeping norms (Qwen3's per-head q/k norm). None when the
-    head axis cannot be established statically."""
-    transpose = x.producer()
-    if transpose is None or transpose.op_type != "Transpose":
-        return None
-    if list(attr(transpose, "perm", [])) != [0, 2, 1, 3]:
-        return None
-    node = transpose.inputs[0].producer()
-    while node is not None and node.op_type in _SHAPE_KEEPING_NORMS:
-        node = node.inputs[0].producer()
-    if node is None or node.op_type != "Reshape":
-        return None
-    y = node.inputs[0]
-    width = last_dim(y)
-    target = shape_vector(node.inputs[1])
-    if width is None or width % head_size or target is None or len(target) != 4:
-        return None
-    heads = width // head_size
-    if target[3] != head_size or target[2] not in (heads, -1):
-        return None
-    allowzero = attr(node, "allowzero", 0)
-    for axis in (0, 1):
-        got = target[axis]
-        if got == dim(y, axis) or (got == 0 and not allowzero):
-            continue
-        return None
-    return heads
-
-
-_SHAPE_KEEPING_NORMS = ("RMSNormalization", "SimplifiedLayerNormalization")

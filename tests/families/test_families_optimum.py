@@ -1,0 +1,117 @@
+"""Hugging Face Optimum exports (TorchScript exporter, Optimum's default opset 18) fuse like
+dynamo exports, per layer, and stay equal to the export in every scenario.
+
+Optimum's graphs build the mask with ``Where(bool, 0, -inf)`` and a NaN guard after the
+softmax (proven inert by evaluating the mask), shapes through ``Shape``/``Gather``/``Concat``
+chains of ``Constant`` nodes (derived by ``analysis.shapes``), repeat_kv through
+``Expand``/``Reshape`` of those, and the KV cache as ``Concat(past, new)``. Each export is first
+checked against the Hugging Face model it came from (transformers 4.57), then the optimized
+model against the export with prompts and pasts longer than the sliding window.
+
+One export per family, two layers (Gemma-3: four, to have both layer types twice): CI has 2
+cores. Expectations are the dynamo tables', except where Optimum's interface differs:
+Gemma-2/3 exports have no ``position_ids`` input (the rotation reads ``arange(past, past +
+seq)`` computed in the graph), which GroupQueryAttention's fused rotary cannot express, so
+their RoPE stays outside (``do_rotary=0``, with the reason in the report); and transformers
+4.x's sdpa attention drops Gemma-2's softcap (see ``test_families_transformers4``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from families.test_families_opset18 import EXPECTED as EXPECTED_18
+
+import epfuse
+from epfuse.optimizer.tolerances import tolerance_for
+from epfuse.optimizer.verify import compare_models
+from epfuse.testing.hf_export import hf_reference
+from epfuse.testing.hf_families import ALL_FAMILIES, SLIDING_WINDOW
+
+pytestmark = [pytest.mark.slow, pytest.mark.optimum]
+
+W = SLIDING_WINDOW
+PROMPT, PAST = 2 * W + 1, 2 * W  # longer than any sliding window
+_COMPUTED_POSITIONS = "RoPE is exported arithmetic that was not lifted"
+
+# family -> (do_rotary per layer, window per layer, softcap)
+EXPECTED: dict[str, tuple[tuple[int, ...], tuple[int | None, ...], float]] = {
+    name: ((EXPECTED_18[name][0],) * len(EXPECTED_18[name][1]), EXPECTED_18[name][1], 0.0)
+    for name in ("llama3", "qwen2", "mistral", "phi3", "qwen3")
+}
+EXPECTED.update(
+    {
+        "granite": ((1, 1), (None, None), 0.0),
+        "smollm3": ((1, 0), (None, None), 0.0),  # layer 1 is NoPE: nothing to rotate
+        "cohere": ((1, 1), (None, None), 0.0),  # interleaved rotary
+        "gemma2": ((0, 0), (W, None), 0.0),
+        "gemma3": ((0, 0, 0, 0), (W, None, W, None), 0.0),
+    }
+)
+INTERLEAVED = {"cohere"}
+NOPE = {("smollm3", 1)}
+
+
+@pytest.mark.parametrize("name", list(EXPECTED))
+def test_optimum_export_fuses_and_stays_equal(name, tmp_path):
+    from epfuse.testing.optimum_export import export_optimum_decoder
+
+    config = ALL_FAMILIES[name].make_config()
+    original = onnx.load(str(export_optimum_decoder(config, tmp_path / name)))
+    _assert_export_matches_hf(config, original)
+
+    optimized, report = epfuse.optimize_with_report(original, "cpu")
+    rotary, windows, softcap = EXPECTED[name]
+    assert len(report.layers) == len(windows), report.summary()
+    for index, (layer, do_rotary, window) in enumerate(
+        zip(report.layers, rotary, windows, strict=True)
+    ):
+        assert layer.fused, report.summary()
+        assert layer.result == f"GroupQueryAttention(do_rotary={do_rotary})", report.summary()
+        mask = "causal + padding" + (f" + sliding window {window}" if window else "")
+        assert layer.notes[:1] == [mask], report.summary()
+        if not do_rotary:
+            why = "not rotated" if (name, index) in NOPE else _COMPUTED_POSITIONS
+            assert any(why in r for r in layer.reasons), report.summary()
+    gqa = [n for n in optimized.graph.node if n.op_type == "GroupQueryAttention"]
+    for node, do_rotary, window in zip(gqa, rotary, windows, strict=True):
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+        assert attrs["do_rotary"] == do_rotary
+        assert attrs.get("rotary_interleaved", 0) == int(name in INTERLEAVED and do_rotary)
+        assert attrs.get("local_window_size", -1) == (window if window else -1)
+        assert attrs.get("softcap", 0.0) == pytest.approx(softcap)
+    ops = {n.op_type for n in optimized.graph.node}
+    assert not ops & {"Softmax", "IsNaN"}, sorted(ops)
+    if all(rotary):
+        assert not ops & {"Cos", "Sin"}, sorted(ops)
+
+    result = compare_models(original, optimized, prompt_len=PROMPT, decode_past_len=PAST)
+    assert result.passed, str(result)
+
+
+def _assert_export_matches_hf(config, exported: onnx.ModelProto) -> None:
+    """The exported graph is the Hugging Face model (transformers 4.57) it came from."""
+    tol = tolerance_for("float32")
+    rng = np.random.default_rng(7)
+    batch = 2
+    names = {i.name for i in exported.graph.input}
+    kv = [i for i in exported.graph.input if i.name.startswith("past_key_values")]
+    kv_heads, head = (d.dim_value for d in kv[0].type.tensor_type.shape.dim[1::2])
+    positions = np.tile(np.arange(PROMPT, dtype=np.int64), (batch, 1))
+    feeds = {
+        "input_ids": rng.integers(0, 256, (batch, PROMPT), dtype=np.int64),
+        "attention_mask": np.ones((batch, PROMPT), dtype=np.int64),
+    }
+    if "position_ids" in names:
+        feeds["position_ids"] = positions
+    feeds.update({i.name: np.zeros((batch, kv_heads, 0, head), np.float32) for i in kv})
+    session = ort.InferenceSession(exported.SerializeToString(), providers=["CPUExecutionProvider"])
+    got = session.run(None, feeds)
+    want_logits, want_present = hf_reference(
+        config, 0, feeds["input_ids"], feeds["attention_mask"], positions, None
+    )
+    np.testing.assert_allclose(got[0], want_logits, atol=tol.atol, rtol=tol.rtol)
+    for g, w in zip(got[1:], want_present, strict=True):
+        np.testing.assert_allclose(g, w, atol=tol.atol, rtol=tol.rtol)
