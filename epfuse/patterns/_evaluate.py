@@ -9,15 +9,20 @@ evaluating it over a grid of shapes covers every input it can see.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 
 import numpy as np
 import onnx_ir as ir
 import onnxruntime as ort
 
 
-def value_dependencies(value: ir.Value) -> tuple[set[ir.Value], set[ir.Value]]:
+def value_dependencies(
+    value: ir.Value, cut: Collection[ir.Value] = ()
+) -> tuple[set[ir.Value], set[ir.Value]]:
     """(graph inputs read by value, graph inputs read only through their shape).
+
+    Values in ``cut`` count as inputs (an evaluation fed there, e.g. positions the graph
+    computes from the cache length).
 
     ``Shape`` of an intermediate value reads the inputs that value's *shape* depends on:
     found by :func:`_shape_operands`, which knows which operands of an op decide the output
@@ -32,13 +37,14 @@ def value_dependencies(value: ir.Value) -> tuple[set[ir.Value], set[ir.Value]]:
     seen_shape: set[int] = set()
     stack = [value]
     shape_stack: list[ir.Value] = []
+    cut_ids = {id(v) for v in cut}
     while stack or shape_stack:
         if shape_stack:
             v = shape_stack.pop()
             if id(v) in seen_shape:
                 continue
             seen_shape.add(id(v))
-            if v.is_graph_input():
+            if v.is_graph_input() or id(v) in cut_ids:
                 by_shape.add(v)
                 continue
             if v.const_value is not None or v.producer() is None:
@@ -53,7 +59,7 @@ def value_dependencies(value: ir.Value) -> tuple[set[ir.Value], set[ir.Value]]:
         if id(v) in seen:
             continue
         seen.add(id(v))
-        if v.is_graph_input():
+        if v.is_graph_input() or id(v) in cut_ids:
             by_value.add(v)
             continue
         if v.const_value is not None:

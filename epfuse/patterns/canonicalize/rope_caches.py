@@ -70,6 +70,22 @@ def _through(value: ir.Value | None, steps: int = 6) -> ir.Value | None:
     return value
 
 
+def _positions_on(value: ir.Value | None) -> ir.Value | None:
+    """The first (batch, seq) integer value up the value-preserving ops above ``value``: the
+    ``position_ids`` input, or positions the graph computes (Optimum's Gemma exports take no
+    position_ids and rotate at ``arange(past, past + seq)[None]``)."""
+    for _ in range(6):
+        if value is None:
+            return None
+        if (found := _positions(value)) is not None and value.shape is not None:
+            return found
+        node = value.producer()
+        if node is None or node.op_type not in _PASS_THROUGH or node.domain != "":
+            return None
+        value = node.inputs[0]
+    return None
+
+
 def _positions(value: ir.Value | None) -> ir.Value | None:
     if value is None or value.dtype not in (ir.DataType.INT64, ir.DataType.INT32):
         return None
@@ -117,7 +133,7 @@ def _matmul_freqs(matmul: ir.Node):
     """(positions, inv_freq) of ``MatMul(inv_freq[None, :, None] (expanded), positions[:, None,
     :])``, the angles before Hugging Face's transpose."""
     inv_freq = const_array(_through(matmul.inputs[0]))
-    positions = _positions(_through(matmul.inputs[1]))
+    positions = _positions_on(matmul.inputs[1])
     if inv_freq is None or positions is None or inv_freq.dtype.kind != "f":
         return None
     if sum(d != 1 for d in inv_freq.shape) > 1:
@@ -223,7 +239,7 @@ def full_width_caches(ctx, node, inv_freq, dtype, cos, sin, positions, interleav
 
 def _measured_scale(graph, cos, positions) -> float | str:
     try:
-        by_value, by_shape = value_dependencies(cos)
+        by_value, by_shape = value_dependencies(cos, cut=(positions,))
     except _Unprovable as err:
         return f"the cos subgraph could not be evaluated ({err})"
     if by_value != {positions}:
@@ -318,8 +334,8 @@ def _prove(
     and past sizes, and the result must be the cache rows of the positions every time.
     """
     try:
-        by_value, by_shape = value_dependencies(cos)
-        sin_value, sin_shape = value_dependencies(sin)
+        by_value, by_shape = value_dependencies(cos, cut=(positions,))
+        sin_value, sin_shape = value_dependencies(sin, cut=(positions,))
     except _Unprovable as err:
         return f"the cos/sin subgraph could not be evaluated ({err})"
     if (by_value | sin_value) != {positions}:
@@ -334,8 +350,10 @@ def _prove(
     tol = 1e-6 + 2e-7 * max_len  # float32 angle rounding grows with the position
     if cos_np.dtype != np.float32:
         tol = max(tol, 2e-3)
+    # Positions the graph computes may be (1, seq), broadcast over the batch.
+    rows = 1 if positions.shape is not None and positions.shape[0] == 1 else 2
     for batch, past in probes or _PROBES:
-        ids = np.stack([sample, sample[::-1]][:batch]).astype(pos_dtype)
+        ids = np.stack([sample, sample[::-1]][: min(batch, rows)]).astype(pos_dtype)
         feeds = {positions.name: ids}
         for value in shaped:
             array = probe_array(value, positions, batch, len(sample), past)

@@ -34,25 +34,29 @@ structure does not prove ``[c, c]``, the full-width cos/sin are evaluated agains
 from the ``inv_freq`` found upstream (or from a constant cos/sin table gathered at the
 positions); the result is then ``RotaryEmbedding(x, cos_cache, sin_cache, position_ids)``.
 A split at the whole head with an empty pass-through (transformers 4.x's Phi-3) is a full
-rotation.
+rotation. Positions that are not provably (batch, seq) of the rotated input (the graph's own
+``arange(past, past + seq)[None]`` in Optimum's Gemma-2/3 exports, or positions whose batch
+dim inference lost) are broadcast to it with ``Expand``, exactly as the exported
+multiplication broadcasts cos/sin.
 
 Not handled (left unchanged, so still correct): cos/sin neither provably duplicated halves
 (or pairs, interleaved) nor evaluated to be, inputs that are not (B, N, S, D) (e.g. RoPE
-applied before the head transpose), rotations written in other orders, and cos/sin whose
-batch is not provably the input's and whose positions are not (batch, seq) of it (positions
-of shape (1, seq) computed from the past length, as Optimum's Gemma-2 export has).
+applied before the head transpose), and rotations written in other orders.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import onnx_ir as ir
 
 from .._graph import (
+    Builder,
     attr,
     const_array,
     const_ints,
     const_scalar,
     dim,
+    initializer,
     input_at,
     producer,
     remove_dead,
@@ -409,16 +413,78 @@ def _per_token(value: ir.Value, x: ir.Value) -> bool:
     return same_dim(dim(value, 0), dim(ref, 0)) and same_dim(dim(value, 1), dim(ref, 2))
 
 
+def _expanded_positions(ctx: RewriteContext, before: ir.Node, positions, x) -> ir.Value:
+    """``Expand(positions, [B, S])`` with B, S of the (B, N, S, H) ``x``.
+
+    The exported graph multiplies x by cos/sin of the positions' (batch, seq), broadcast
+    against x's; RotaryEmbedding reads one position per (batch, token), so the positions are
+    broadcast to x's the same way (valid exactly when the original broadcast is: each of the
+    positions' dims is 1 or x's). Computed positions (Optimum's Gemma exports rotate at
+    ``arange(past, past + seq)[None]``) and positions whose batch shape inference lost both
+    take this form. When B and S are named dims of a graph input, the target is read off
+    that input, right after the positions are computed, so Q and K share one expanded value
+    (the GQA lowering needs them rotated alike)."""
+    ref = _bns(x)
+    batch, seq = dim(ref, 0), dim(ref, 2)
+    source = _input_with(ctx.graph, batch, seq)
+    key = ("expanded-positions", id(positions), batch, seq if source else id(ref))
+    if key in ctx.cache:
+        return ctx.cache[key]
+    if source is None:
+        b = Builder(ctx.graph, before, f"epfuse/{before.name or 'rope'}/positions")
+        picked = b.op(
+            "Gather", [b.op("Shape", [ref]), b.const("batch_seq", np.array([0, 2]))], {"axis": 0}
+        )
+        out = b.op("Expand", [positions, picked])
+    else:
+        value, axes = source
+        prefix = f"epfuse/{positions.name or 'positions'}/expanded"
+        indices = initializer(ctx.graph, f"{prefix}/batch_seq", axes)
+        shape = ir.node("Shape", [value], name=f"{prefix}/Shape")
+        gather = ir.node(
+            "Gather", [shape.outputs[0], indices], {"axis": 0}, name=f"{prefix}/Gather"
+        )
+        expand = ir.node("Expand", [positions, gather.outputs[0]], name=f"{prefix}/Expand")
+        for n in (shape, gather, expand):
+            n.outputs[0].name = n.name
+        producer_node = positions.producer()
+        if producer_node is not None and producer_node.graph is ctx.graph:
+            ctx.graph.insert_after(producer_node, [shape, gather, expand])
+        else:
+            ctx.graph.insert_before(ctx.graph.node(0), [shape, gather, expand])
+        out = expand.outputs[0]
+    out.type = positions.type
+    out.shape = ir.Shape([_dim_as_is(ref, 0), _dim_as_is(ref, 2)])
+    ctx.cache[key] = out
+    return out
+
+
+def _input_with(graph: ir.Graph, batch, seq):
+    """(graph input, [axis of batch, axis of seq]) for named dims batch and seq, or None."""
+    if not (isinstance(batch, tuple) and batch[0] == "sym"):
+        return None
+    if not (isinstance(seq, tuple) and seq[0] == "sym"):
+        return None
+    for value in graph.inputs:
+        rank = len(value.shape) if value.shape is not None else 0
+        terms = [dim(value, i) for i in range(rank)]
+        if batch in terms and seq in terms:
+            return value, np.array([terms.index(batch), terms.index(seq)], np.int64)
+    return None
+
+
+def _dim_as_is(value: ir.Value, axis: int):
+    """``value.shape[axis]`` as it is (an int or a symbolic dim), for an output's shape."""
+    return value.shape[axis] if value.shape is not None else None
+
+
 def _to_position_caches(ctx: RewriteContext, rope: ir.Node, x: ir.Value) -> str | None:
     """Turn ``rope``'s run-time cos/sin into caches read at position_ids (proven by
     evaluation, see ``rope_caches``), with the positions (batch, seq) like ``x``; or why not."""
     outcome = RopeCosSinToCaches().apply(rope, ctx)
     if not isinstance(outcome, Rewritten):
         return outcome.reason if isinstance(outcome, Kept) else "not position_ids x inv_freq"
-    positions = input_at(rope, 3)
-    if _per_token(positions, x):
-        return None
-    return "the positions are not (batch, seq) of the rotated input"
+    return None  # positions that may broadcast are expanded to x's (batch, seq) in apply
 
 
 def _proven_full_rope(ctx, node, x, cos_full, sin_full, interleaved, why: str) -> ir.Node | str:
@@ -441,8 +507,6 @@ def _proven_full_rope(ctx, node, x, cos_full, sin_full, interleaved, why: str) -
         )
         if isinstance(caches, str):
             return f"{why}; {caches}"
-    if not _per_token(positions, x):
-        return f"{why}; the positions are not (batch, seq) of the rotated input"
     rope = ir.node(
         "RotaryEmbedding",
         [x, *caches, positions],
@@ -493,6 +557,9 @@ class RotateHalfToRotaryEmbedding(Rule):
         reason = require_default_opset(ctx.model, 23, ctx.cache)
         if reason:
             return Kept(reason)
+        positions = input_at(rope, 3)
+        if positions is not None and not _per_token(positions, x):
+            rope.replace_input_with(3, _expanded_positions(ctx, node, positions, x))
         ctx.graph.insert_before(node, rope)
         rope.replace_input_with(0, source)
         for key, value in attributes.items():
