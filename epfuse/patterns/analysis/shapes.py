@@ -49,8 +49,10 @@ def refine_shapes(graph: ir.Graph, declared: set[str] | None = None) -> int:
         declared = declared_names(graph)
     written = 0
     for node in graph:
-        if node.domain not in ("", "ai.onnx"):
-            continue
+        if node.domain not in ("", "ai.onnx") or not any(
+            _has_unknown(out, declared) for out in node.outputs
+        ):
+            continue  # nothing to write: skip the derivation (most nodes of most graphs)
         try:
             derived = _derive(node, declared)
         except (IndexError, ValueError, TypeError, ZeroDivisionError):
@@ -61,6 +63,16 @@ def refine_shapes(graph: ir.Graph, declared: set[str] | None = None) -> int:
             if dims is not None:
                 written += _merge(out, dims, declared)
     return written
+
+
+def _has_unknown(value: ir.Value, declared: set[str]) -> bool:
+    if value.is_graph_input() or value.is_graph_output():
+        return False
+    if value.shape is None:
+        return True
+    return any(
+        not isinstance(d, int) and getattr(d, "value", None) not in declared for d in value.shape
+    )
 
 
 def declared_names(graph: ir.Graph) -> set[str]:

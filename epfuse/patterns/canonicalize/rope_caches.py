@@ -86,6 +86,51 @@ def _positions_on(value: ir.Value | None) -> ir.Value | None:
     return None
 
 
+# (batch, seq, past) sizes computed positions are checked at.
+_RANGE_PROBES = ((1, 1, 0), (2, 5, 0), (1, 1, 7), (2, 3, 8), (1, 33, 0))
+
+
+def _positions_cut(graph: ir.Graph, positions: ir.Value) -> tuple[ir.Value, ...] | str:
+    """Where the cos/sin proof feeds positions: the ``position_ids`` input itself, or positions
+    the graph computes from input *shapes* only (``arange(past, past + seq)``), fed there.
+
+    The caches have ``max_seq_len`` rows, which the input contract bounds for position_ids
+    (< past + seq); computed positions must be shown to stay in that range too, by evaluating
+    them at several (batch, seq, past) sizes. Positions computed from input values (an offset
+    position_ids, say) are not cut: the proof then sees what else cos/sin read, and refuses.
+    """
+    if positions.is_graph_input():
+        return ()
+    try:
+        by_value, by_shape = value_dependencies(positions)
+    except _Unprovable as err:
+        return f"the positions could not be evaluated ({err})"
+    if by_value:
+        return ()
+    shaped = sorted(by_shape, key=lambda v: v.name or "")
+    try:
+        evaluator = SubgraphEvaluator(graph, [positions], inputs=shaped)
+    except Exception as err:
+        return f"the computed positions could not be evaluated ({type(err).__name__})"
+    for batch, seq, past in _RANGE_PROBES:
+        feeds = {}
+        for value in shaped:
+            array = probe_array(value, None, batch, seq, past)
+            if array is None:
+                return f"the positions read the shape of {value.name!r}, which cannot be sized"
+            feeds[value.name] = array
+        try:
+            (got,) = evaluator(feeds)
+        except Exception as err:
+            return f"the computed positions failed on a probe ({type(err).__name__})"
+        got = np.asarray(got)
+        if got.ndim != 2 or got.shape[1] != seq or got.shape[0] not in (1, batch):
+            return "the computed positions are not (batch, seq)"
+        if got.size and (got.min() < 0 or got.max() >= past + seq):
+            return "the computed positions leave [0, past + seq) (the caches' contract)"
+    return (positions,)
+
+
 def _positions(value: ir.Value | None) -> ir.Value | None:
     if value is None or value.dtype not in (ir.DataType.INT64, ir.DataType.INT32):
         return None
@@ -239,7 +284,10 @@ def full_width_caches(ctx, node, inv_freq, dtype, cos, sin, positions, interleav
 
 def _measured_scale(graph, cos, positions) -> float | str:
     try:
-        by_value, by_shape = value_dependencies(cos, cut=(positions,))
+        cut = _positions_cut(graph, positions)
+        if isinstance(cut, str):
+            return cut
+        by_value, by_shape = value_dependencies(cos, cut=cut)
     except _Unprovable as err:
         return f"the cos subgraph could not be evaluated ({err})"
     if by_value != {positions}:
@@ -334,8 +382,11 @@ def _prove(
     and past sizes, and the result must be the cache rows of the positions every time.
     """
     try:
-        by_value, by_shape = value_dependencies(cos, cut=(positions,))
-        sin_value, sin_shape = value_dependencies(sin, cut=(positions,))
+        cut = _positions_cut(graph, positions)
+        if isinstance(cut, str):
+            return cut
+        by_value, by_shape = value_dependencies(cos, cut=cut)
+        sin_value, sin_shape = value_dependencies(sin, cut=cut)
     except _Unprovable as err:
         return f"the cos/sin subgraph could not be evaluated ({err})"
     if (by_value | sin_value) != {positions}:
