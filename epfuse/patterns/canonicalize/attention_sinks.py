@@ -128,7 +128,7 @@ class AttentionSinksToAttention(Rule):
         if isinstance(parsed, str):
             return Kept(f"attention sinks: {parsed}")
         q, k = parsed
-        reason = DecomposedAttentionToAttention._check(node, q, k, v, m, guarded=False)
+        reason = DecomposedAttentionToAttention._check(node, q, k, v, m)
         if reason:
             return Kept(f"attention sinks: {reason}")
         heads = [axis_size(x) for x in (q, k, v)]
