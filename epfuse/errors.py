@@ -1,4 +1,10 @@
-"""Errors epfuse raises on purpose; each carries a one-line message fit for a CLI user."""
+"""Errors epfuse raises on purpose; each carries a one-line message fit for a CLI user.
+
+Every class derives from :class:`EpfuseError` (catch that for "epfuse refused"), and, where a
+caller would otherwise catch a built-in, also from that built-in: a wrong argument type is a
+``TypeError``, a bad option value a ``ValueError``, an output that cannot be written an
+``OSError``. The CLI prints ``epfuse: error: <str(err)>`` and exits 1 for every one of them.
+"""
 
 
 class EpfuseError(Exception):
@@ -6,7 +12,18 @@ class EpfuseError(Exception):
 
 
 class ModelLoadError(EpfuseError):
-    """The input is missing, unreadable, not ONNX, or truncated."""
+    """The input is missing, unreadable, not ONNX, truncated, at an opset ONNX does not know,
+    or reads external data from outside its folder."""
+
+
+class ModelTypeError(EpfuseError, TypeError):
+    """``optimize`` got something that is not a path, an ``onnx.ModelProto`` or an
+    ``onnx_ir.Model`` (an ``int``, ``bytes``, ``None``, a ``GraphProto`` ...)."""
+
+
+class OptionError(EpfuseError, ValueError, TypeError):
+    """An option has the wrong type or value (``max_seq_len=0``, ``max_seq_len=2.5``, a
+    cos/sin cache that cannot be allocated)."""
 
 
 class UnknownEPError(EpfuseError, ValueError):
@@ -14,7 +31,18 @@ class UnknownEPError(EpfuseError, ValueError):
 
 
 class UnsupportedModelError(EpfuseError):
-    """The model is valid ONNX but outside what epfuse optimizes (dtype, no attention, ...)."""
+    """The model is valid ONNX but outside what epfuse optimizes (dtype, no attention, a vendor
+    op the EP lacks and no exact standard form exists for, ...)."""
+
+
+class ConfigError(EpfuseError, ValueError):
+    """A Hugging Face ``config.json`` (``--hf-config``) is not JSON or does not describe the
+    graph (head counts, layers, vocabulary, hidden size)."""
+
+
+class OutputError(EpfuseError, OSError):
+    """An output (model, its external data, the report, a genai folder) cannot be written, or
+    writing it would overwrite a file the input model reads. Nothing is left behind."""
 
 
 class ValidationError(EpfuseError):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import numbers
 import os
 from collections.abc import Iterable
 from typing import TypeVar, overload
@@ -11,7 +12,12 @@ import onnx
 import onnx_ir as ir
 
 from epfuse.capabilities import DTYPES, EPCapabilities, get_ep
-from epfuse.errors import UnsupportedModelError, VerificationError
+from epfuse.errors import (
+    ModelTypeError,
+    OptionError,
+    UnsupportedModelError,
+    VerificationError,
+)
 from epfuse.patterns import OptimizeOptions
 
 from .io import load_model
@@ -57,6 +63,7 @@ def optimize_with_report(
     require_fusion: bool = False,
     precision: str = "auto",
     int4: Int4Options | None = None,
+    model_max_positions: int | None = None,
 ):
     """Optimize and return ``(optimized_model, report)``.
 
@@ -95,6 +102,14 @@ def optimize_with_report(
     ``probe=True`` checks the EP's record against the installed ONNX Runtime first
     (``epfuse.capabilities.probe``: schemas, and known-answer runs for an EP present in this
     build) and trusts the probe where they disagree; the disagreements go into the report.
+
+    ``max_seq_len`` must be a positive integer that ORT's int32 sequence lengths take and whose
+    cos/sin caches fit in memory (else :class:`epfuse.errors.OptionError`, stating the limit);
+    above the model's own maximum position (read from the graph, or ``model_max_positions``,
+    e.g. a Hugging Face ``max_position_embeddings``) the report carries a warning.
+
+    Errors: every refusal is an :class:`epfuse.errors.EpfuseError` whose message is the line
+    the CLI prints (see the README's error section for the classes).
     """
     record = get_ep(ep)
     probe_notes: list[str] = []
@@ -103,15 +118,16 @@ def optimize_with_report(
 
         record, probe_report = cached_probe(record)
         probe_notes = [f"probe overrides the record: {m}" for m in probe_report.mismatches]
-    if max_seq_len < 1:
-        raise ValueError("max_seq_len must be positive")
+    _check_max_seq_len(max_seq_len)
     as_proto = isinstance(model, onnx.ModelProto)
     if as_proto:
         source = ir.serde.deserialize_model(model)
     elif isinstance(model, ir.Model):
         source = ir.serde.deserialize_model(ir.to_proto(model))
-    else:
+    elif isinstance(model, (str, os.PathLike)):
         source = load_model(model)
+    else:
+        raise ModelTypeError(_model_type_message(model))
     dtype = model_dtype(source)
     plan = choose_precision(precision, record, dtype, int4)
     if verify and plan.compute_dtype == "bfloat16":
@@ -120,6 +136,7 @@ def optimize_with_report(
             "optimize without verify: the output's structure is still checked against the "
             "record (conformance)"
         )
+    warnings = _max_seq_len_warnings(source, max_seq_len, model_max_positions)
     original = None
     if verify:
         # ORT runs the comparison from bytes: external weights must be in memory.
@@ -174,6 +191,9 @@ def optimize_with_report(
                 f"no attention found in the model (nothing to optimize){detail}"
             )
         if report.violations:
+            vendor = _vendor_op_refusal(report.violations, record, report.dtype)
+            if vendor:
+                raise UnsupportedModelError(vendor)
             more = len(report.violations) - 1
             extra = f" (and {more} more)" if more else ""
             raise UnsupportedModelError(
@@ -181,6 +201,7 @@ def optimize_with_report(
                 f"{report.violations[0]}{extra}"
             )
         report.assumptions.extend(probe_notes)
+        report.warnings.extend(warnings)
         if validate_output:
             note = validate(work)
             if note:
@@ -202,6 +223,137 @@ def optimize_with_report(
         _require_fusion(report)
     work.metadata_props[METADATA_KEY] = report.to_json()
     return (ir.to_proto(work) if as_proto else work), report
+
+
+_INT32_MAX = 2**31 - 1
+# Bytes per cos/sin row while the caches are made and proven: float64 cos and sin, a
+# temporary of each, per rotary pair (head_size / 2), plus the float32 result.
+_BYTES_PER_ROW_PER_HEAD_DIM = 40
+_DEFAULT_HEAD_DIM = 256  # when the graph does not say (the largest head size in use)
+
+
+def _check_max_seq_len(value) -> None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise OptionError(f"max_seq_len must be a positive integer, got {value!r}")
+    if value < 1:
+        raise OptionError(f"max_seq_len must be a positive integer, got {value}")
+    if value > _INT32_MAX:
+        raise OptionError(
+            f"max_seq_len {value} is above {_INT32_MAX}, the longest sequence ONNX Runtime's "
+            "attention ops take (int32 lengths)"
+        )
+
+
+def _head_dim(model: ir.Model) -> int:
+    dims = [
+        v.shape[-1]
+        for v in model.graph.inputs
+        if v.shape is not None and len(v.shape) == 4 and isinstance(v.shape[-1], int)
+    ]
+    return max(dims) if dims else _DEFAULT_HEAD_DIM
+
+
+def _available_memory() -> int:
+    try:
+        with open("/proc/meminfo") as handle:
+            for line in handle:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, AttributeError):
+        return 1 << 40
+
+
+def _gib(n: float) -> str:
+    return f"{n / (1 << 30):.1f} GiB" if n >= 1 << 30 else f"{n / (1 << 20):.0f} MiB"
+
+
+def model_max_positions(model: ir.Model) -> int | None:
+    """The model's own maximum position, where the graph states one: rows of constant cos/sin
+    caches of a RotaryEmbedding or GroupQueryAttention, or of a position-embedding table
+    gathered by ``position_ids``."""
+    rows = []
+    for node in model.graph:
+        if node.op_type == "RotaryEmbedding":
+            caches = node.inputs[1:3] if node.domain in ("", "ai.onnx") else node.inputs[2:4]
+        elif node.op_type == "GroupQueryAttention":
+            caches = node.inputs[7:9]
+        elif node.op_type == "Gather" and len(node.inputs) > 1 and node.inputs[1] is not None:
+            caches = [node.inputs[0]] if node.inputs[1].name == "position_ids" else []
+        else:
+            continue
+        for value in caches:
+            if value is not None and value.const_value is not None:
+                shape = value.const_value.shape
+                if len(shape) == 2:
+                    rows.append(int(shape[0]))
+    return min(rows) if rows else None
+
+
+def _max_seq_len_warnings(model: ir.Model, max_seq_len: int, hf_limit: int | None) -> list[str]:
+    """Refuse a max_seq_len whose caches cannot be allocated; warn above the model's limit."""
+    head_dim = _head_dim(model)
+    per_row = head_dim * _BYTES_PER_ROW_PER_HEAD_DIM
+    budget = _available_memory() // 2
+    if max_seq_len * per_row > budget:
+        raise OptionError(
+            f"max_seq_len {max_seq_len}: the cos/sin caches need about "
+            f"{_gib(max_seq_len * per_row)} of memory while made and proven, more than half "
+            f"of the {_gib(budget * 2)} available; the limit here is {budget // per_row} rows"
+        )
+    warnings = []
+    limits = [(hf_limit, "max_position_embeddings of the Hugging Face config")]
+    limits.append((model_max_positions(model), "rows of the graph's position tables"))
+    for limit, source in limits:
+        if limit and max_seq_len > limit:
+            warnings.append(
+                f"max_seq_len {max_seq_len} is above the model's own maximum position {limit} "
+                f"({source}): positions past it were never trained"
+            )
+    cache_bytes = max_seq_len * head_dim * 4  # float32 cos + sin, head_dim/2 each
+    if cache_bytes > 256 << 20:
+        warnings.append(
+            f"max_seq_len {max_seq_len} makes cos/sin caches of about {_gib(cache_bytes)} "
+            "per rotary layout in the output"
+        )
+    return warnings
+
+
+def _model_type_message(model) -> str:
+    hint = ""
+    if isinstance(model, (bytes, bytearray)):
+        hint = " (for serialized bytes use onnx.load_from_string(data) first)"
+    elif isinstance(model, onnx.GraphProto):
+        hint = " (wrap a GraphProto with onnx.helper.make_model first)"
+    return (
+        "model must be a path, an onnx.ModelProto or an onnx_ir.Model, not "
+        f"{type(model).__name__}{hint}"
+    )
+
+
+def _vendor_op_refusal(violations: list[str], record: EPCapabilities, dtype: str) -> str | None:
+    """The refusal for an already optimized model re-targeted to an EP that lacks its vendor
+    ops (com.microsoft GroupQueryAttention ...). No exact standard form exists for GQA: it
+    writes the new K/V at ``seqlens_k``, not after the past, so an Attention + Concat would
+    compute a different present cache for padded batches. Re-optimize the original export."""
+    vendor = sorted(
+        {
+            f"{domain}::{op}"
+            for line in violations
+            for domain, op in re.findall(r"\(([\w.]+)::(\w+)\)", line)
+            if domain not in ("", "ai.onnx")
+        }
+    )
+    if not vendor:
+        return None
+    return (
+        f"cannot re-target this model to {record.name} ({dtype}): {record.name} does not run "
+        f"{', '.join(vendor)} in the form this model has, and no exact standard ONNX form "
+        "exists; optimize the original export for this EP instead"
+    )
 
 
 def _require_fusion(report: Report) -> None:

@@ -16,19 +16,70 @@ cannot handle, 2 for bad usage, 3 for an internal error (``--debug`` shows the t
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib
 import os
+import signal
 import sys
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from epfuse.capabilities import DTYPES, all_eps, get_ep, known_eps
+if TYPE_CHECKING:
+    from epfuse.optimizer.precision import Int4Options
+
+# Only light imports here: onnx and ORT load inside main(), after the signal handlers are in
+# place, so that Ctrl-C or SIGTERM during start-up still ends with one line.
 from epfuse.errors import EpfuseError
-from epfuse.optimizer.precision import PRECISIONS, Int4Options
-from epfuse.optimizer.precision import normalize as normalize_precision
-from epfuse.optimizer.verify.cli import add_verify_command
-from epfuse.optimizer.verify.fuzz_cli import add_fuzz_command
 
 EXIT_INPUT, EXIT_USAGE, EXIT_INTERNAL, EXIT_NOT_EQUIVALENT = 1, 2, 3, 4
+EXIT_INTERRUPTED, EXIT_TERMINATED = 130, 143
+
+
+class Terminated(BaseException):
+    """SIGTERM, raised like KeyboardInterrupt so that every ``finally`` cleans up."""
+
+
+# While the heavy modules import, a signal is only recorded: an exception raised inside a C
+# extension's initialisation can crash the interpreter (seen: SIGSEGV when Ctrl-C hit the
+# import of onnx). It is raised as soon as the imports are done.
+_startup = {"deferring": False, "pending": None}
+
+
+def _on_signal(signum, frame):
+    if _startup["deferring"]:
+        _startup["pending"] = _startup["pending"] or signum
+        return
+    _raise_for(signum)
+
+
+def _raise_for(signum: int):
+    if signum == signal.SIGTERM:
+        raise Terminated
+    raise KeyboardInterrupt
+
+
+@contextlib.contextmanager
+def _deferred_signals():
+    """Signals during the block are raised after it (see ``_startup``)."""
+    _startup["deferring"] = True
+    try:
+        yield
+    finally:
+        _startup["deferring"] = False
+    pending, _startup["pending"] = _startup["pending"], None
+    if pending is not None:
+        _raise_for(pending)
+
+
+def _import_heavy(command: str) -> None:
+    """Import what the subcommand needs first, with signals deferred. ``optimize`` checks its
+    paths with onnx alone and imports the optimizer (onnx_ir, ORT) after that."""
+    with _deferred_signals():
+        importlib.import_module("onnx")
+        if command != "optimize":
+            importlib.import_module("onnx_ir")
+            importlib.import_module("onnxruntime")
 
 
 class UsageError(Exception):
@@ -36,12 +87,20 @@ class UsageError(Exception):
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = _parser()
-    args = parser.parse_args(argv)
-    if args.command is None:
-        parser.print_help()
-        return EXIT_USAGE
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    for sig in previous:
+        signal.signal(sig, _on_signal)
     try:
+        with _deferred_signals():  # building the parser imports verify (onnx, ORT)
+            parser = _parser()
+        args = parser.parse_args(argv)
+        debug = debug or bool(getattr(args, "debug", False))
+        if args.command is None:
+            parser.print_help(sys.stderr)
+            return EXIT_USAGE
+        _import_heavy(args.command)
         return args.handler(args)
     except UsageError as err:
         print(f"epfuse: usage error: {err}", file=sys.stderr)
@@ -55,9 +114,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     except KeyboardInterrupt:
         print("epfuse: interrupted", file=sys.stderr)
-        return 130
+        return EXIT_INTERRUPTED
+    except Terminated:
+        print("epfuse: terminated", file=sys.stderr)
+        return EXIT_TERMINATED
     except Exception as err:
-        if args.debug:
+        if debug:
             raise
         message = str(err).strip().splitlines()[0] if str(err).strip() else ""
         print(
@@ -65,9 +127,27 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return EXIT_INTERNAL
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
 
 
 def _parser() -> argparse.ArgumentParser:
+    from epfuse.capabilities import known_eps
+    from epfuse.optimizer.precision import PRECISIONS, Int4Options
+    from epfuse.optimizer.verify.cli import add_verify_command
+    from epfuse.optimizer.verify.fuzz_cli import add_fuzz_command
+
     parser = argparse.ArgumentParser(
         prog="epfuse",
         description="Rewrite generically exported ONNX language models for an ORT execution provider.",
@@ -77,7 +157,11 @@ def _parser() -> argparse.ArgumentParser:
 
     opt = sub.add_parser("optimize", help="optimize a model for one execution provider")
     opt.add_argument("input", nargs="?", help="model to optimize (default: the bundled example)")
-    opt.add_argument("-o", "--output", help="where to write the optimized model")
+    opt.add_argument(
+        "-o",
+        "--output",
+        help="where to write the optimized model (ending in '/': into that folder)",
+    )
     opt.add_argument("--ep", default="cpu", help=f"execution provider ({', '.join(known_eps())})")
     opt.add_argument(
         "--precision",
@@ -89,7 +173,7 @@ def _parser() -> argparse.ArgumentParser:
     opt.add_argument("--report", help="also write the report as JSON to this file")
     opt.add_argument(
         "--max-seq-len",
-        type=int,
+        type=_positive_int,
         default=4096,
         help="rows of the cos/sin caches made from run-time RoPE (default 4096)",
     )
@@ -135,7 +219,6 @@ def _parser() -> argparse.ArgumentParser:
     int4.add_argument(
         "--int4-embeddings", action="store_true", help="quantize the embedding table too"
     )
-    opt.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
     opt.set_defaults(handler=_optimize)
 
     add_verify_command(sub)
@@ -149,13 +232,22 @@ def _parser() -> argparse.ArgumentParser:
         help="check each record against the installed ONNX Runtime (schemas; known-answer "
         "runs for EPs in this build) and print mismatches",
     )
-    caps.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
     caps.set_defaults(handler=_capabilities)
+    for command in (opt, caps):
+        # SUPPRESS: a subcommand that does not see --debug leaves the top-level value alone
+        # (`epfuse --debug optimize ...` and `epfuse optimize ... --debug` both count);
+        # verify and fuzz add theirs the same way.
+        command.add_argument(
+            "--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS
+        )
     return parser
 
 
 def _precision_options(args: argparse.Namespace) -> tuple[str, Int4Options | None]:
     """``--precision`` and the ``--int4-*`` options, checked (UsageError on a bad one)."""
+    from epfuse.optimizer.precision import Int4Options
+    from epfuse.optimizer.precision import normalize as normalize_precision
+
     try:
         precision = normalize_precision(args.precision)
     except ValueError as err:
@@ -178,10 +270,46 @@ def _precision_options(args: argparse.Namespace) -> tuple[str, Int4Options | Non
         raise UsageError(str(err)) from None
 
 
+def _output_path(args: argparse.Namespace, source: Path, suffix: str) -> Path:
+    """-o as given; ending in a separator, a file named after the input inside that folder."""
+    if args.output:
+        if args.output.endswith(("/", os.sep)):
+            return Path(args.output) / f"{source.stem}{suffix}"
+        return Path(args.output)
+    if args.input:
+        return source.with_name(f"{source.stem}{suffix}")
+    return Path(tempfile.mkdtemp(prefix="epfuse-")) / f"{source.stem}{suffix}"
+
+
+def _report_check(args, protected: dict[Path, str], output: Path, data_name: str | None) -> None:
+    """The report may be none of the files either model reads or is written to."""
+    from epfuse.optimizer.io import check_output
+
+    if not args.report:
+        return
+    taken = dict(protected)
+    taken[output.resolve()] = "it is the optimized model's path"
+    if data_name:
+        taken[(output.parent / data_name).resolve()] = "it is the optimized model's data file"
+    check_output(args.report, taken, create_parents=False)
+
+
+def _warn(report) -> None:
+    for line in report.warnings:
+        print(f"epfuse: warning: {line}", file=sys.stderr)
+
+
 def _optimize(args: argparse.Namespace) -> int:
+    from epfuse.capabilities import get_ep
     from epfuse.examples import EXAMPLE_MODEL
-    from epfuse.optimizer.api import optimize_with_report
-    from epfuse.optimizer.io import save_model
+    from epfuse.optimizer.io import (
+        check_output,
+        external_data_name,
+        input_files,
+        remove_written,
+        save_model,
+        write_text,
+    )
 
     record = get_ep(args.ep)  # fail on a bad EP before reading anything
     precision, int4 = _precision_options(args)
@@ -191,18 +319,16 @@ def _optimize(args: argparse.Namespace) -> int:
         raise EpfuseError("--hf-config needs --genai")
     if args.hf_config and not Path(args.hf_config, "config.json").is_file():
         raise EpfuseError(f"{args.hf_config}: no config.json (not a Hugging Face folder)")
+    protected = input_files(source)
     if args.genai:
-        return _optimize_genai(args, record, source)
-    if args.output:
-        output = Path(args.output)
-    elif args.input:
-        output = source.with_name(f"{source.stem}.{record.name}.onnx")
-    else:
-        output = Path(tempfile.mkdtemp(prefix="epfuse-")) / f"{source.stem}.{record.name}.onnx"
-    if output.exists() and source.exists() and output.resolve() == source.resolve():
-        raise EpfuseError(f"{output}: refusing to overwrite the input model")
-    if args.max_seq_len < 1:
-        raise EpfuseError("--max-seq-len must be positive")
+        return _optimize_genai(args, record, source, protected)
+    output = _output_path(args, source, f".{record.name}.onnx")
+    check_output(output, protected)
+    data_name = external_data_name(output, protected)
+    _report_check(args, protected, output, data_name)
+    with _deferred_signals():
+        from epfuse.optimizer.api import optimize_with_report
+
     model, report = optimize_with_report(
         source,
         record,
@@ -212,32 +338,33 @@ def _optimize(args: argparse.Namespace) -> int:
         precision=args.precision_plan[0],
         int4=args.precision_plan[1],
     )
-    save_model(model, output)
+    save_model(model, output, protected=protected)
     if args.report:
-        Path(args.report).write_text(report.to_json(indent=2) + "\n")
+        try:
+            write_text(args.report, report.to_json(indent=2) + "\n")
+        except BaseException:
+            remove_written(output)
+            raise
+    _warn(report)
     print(f"input:  {source}")
     print(report.summary())
     print(f"\nwrote {output}")
     return 0
 
 
-def _optimize_genai(args: argparse.Namespace, record, source: Path) -> int:
-    from epfuse.optimizer.api import optimize_with_report
-    from epfuse.optimizer.genai import write_genai_package
+def _optimize_genai(args: argparse.Namespace, record, source: Path, protected) -> int:
+    from epfuse.optimizer.io import check_output, external_data_name, write_text
 
-    if args.output:
-        outdir = Path(args.output)
-    elif args.input:
-        outdir = source.with_name(f"{source.stem}.{record.name}.genai")
-    else:
-        outdir = Path(tempfile.mkdtemp(prefix="epfuse-")) / f"{source.stem}.{record.name}.genai"
-    if outdir.exists() and not outdir.is_dir():
-        raise EpfuseError(f"{outdir}: --genai writes a folder, but this is a file")
+    with _deferred_signals():
+        from epfuse.optimizer.api import optimize_with_report
+        from epfuse.optimizer.genai import check_hf_config, write_genai_package
+
+    outdir = _output_path(args, source, f".{record.name}.genai")
+    check_output(outdir, protected, directory=True)
     target = outdir / "model.onnx"
-    if target.exists() and source.exists() and target.resolve() == source.resolve():
-        raise EpfuseError(f"{target}: refusing to overwrite the input model")
-    if args.max_seq_len < 1:
-        raise EpfuseError("--max-seq-len must be positive")
+    check_output(target, protected)
+    _report_check(args, protected, target, external_data_name(target, protected))
+    hf_text = check_hf_config(args.hf_config) if args.hf_config else None
     model, report = optimize_with_report(
         source,
         record,
@@ -246,10 +373,22 @@ def _optimize_genai(args: argparse.Namespace, record, source: Path) -> int:
         require_fusion=args.require_fusion,
         precision=args.precision_plan[0],
         int4=args.precision_plan[1],
+        model_max_positions=(hf_text or {}).get("max_position_embeddings"),
     )
-    package = write_genai_package(model, report, outdir, hf_config_dir=args.hf_config, ep=record)
-    if args.report:
-        Path(args.report).write_text(report.to_json(indent=2) + "\n")
+    made = not outdir.exists()
+    try:
+        package = write_genai_package(
+            model, report, outdir, hf_config_dir=args.hf_config, ep=record, protected=protected
+        )
+        if args.report:
+            write_text(args.report, report.to_json(indent=2) + "\n")
+    except BaseException:
+        if made:
+            import shutil
+
+            shutil.rmtree(outdir, ignore_errors=True)
+        raise
+    _warn(report)
     print(f"input:  {source}")
     print(report.summary())
     if package.share_buffer:
@@ -287,6 +426,8 @@ _COLUMNS = (
 
 
 def capability_table(records) -> str:
+    from epfuse.capabilities import DTYPES
+
     header = ["EP", "dtype", *[name for name, _ in _COLUMNS]]
     rows = []
     for record in records:
@@ -303,6 +444,8 @@ def capability_table(records) -> str:
 
 
 def _capabilities(args: argparse.Namespace) -> int:
+    from epfuse.capabilities import all_eps, get_ep
+
     records = [get_ep(args.ep)] if args.ep else all_eps()
     print(capability_table(records))
     for record in records:

@@ -27,10 +27,10 @@ from typing import Any
 import onnx_ir as ir
 
 from epfuse.capabilities import EPCapabilities, get_ep
-from epfuse.errors import UnsupportedModelError
+from epfuse.errors import ConfigError, OutputError, UnsupportedModelError
 from epfuse.patterns.analysis.head_counts import HeadCounts, attention_heads
 
-from .io import save_model
+from .io import check_output, reason, save_model, write_text
 from .report import Report
 
 CONFIG_NAME = "genai_config.json"
@@ -182,9 +182,67 @@ def _dim(value: ir.Value, axis: int) -> int | None:
 
 def _read_json(path: Path) -> dict[str, Any]:
     try:
-        return json.loads(path.read_text())
+        data = json.loads(path.read_text())
     except FileNotFoundError:
         return {}
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
+        raise ConfigError(f"{path}: not a JSON file ({first})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
+# config.json keys that say what the decoder is; one at least must be there.
+_STRUCTURE_KEYS = (
+    "num_attention_heads",
+    "num_key_value_heads",
+    "num_hidden_layers",
+    "vocab_size",
+    "hidden_size",
+    "head_dim",
+)
+
+
+def check_hf_config(hf_config_dir: str | Path) -> dict[str, Any]:
+    """The (text) config of a Hugging Face folder, or ConfigError when it is not JSON or
+    describes no decoder; :func:`genai_config` then checks it against the graph."""
+    path = Path(hf_config_dir) / "config.json"
+    hf = _read_json(path)
+    text = hf.get("text_config", hf)
+    if not isinstance(text, dict) or not any(k in text for k in _STRUCTURE_KEYS):
+        raise ConfigError(
+            f"{path}: describes no decoder (none of {', '.join(_STRUCTURE_KEYS)}); "
+            "pass the folder of this model's Hugging Face config"
+        )
+    return text
+
+
+def _embedding_width(graph: ir.Graph) -> int | None:
+    """Hidden size from the token embedding: a Gather of a 2-D constant by ``input_ids``."""
+    ids = next((v for v in graph.inputs if v.name == "input_ids"), None)
+    if ids is None:
+        return None
+    for user, _ in ids.uses():
+        if user.op_type == "Gather" and user.inputs[0] is not None:
+            table = user.inputs[0].const_value
+            if table is not None and len(table.shape) == 2:
+                return int(table.shape[1])
+    return None
+
+
+def _check_against_graph(path: str, text: dict[str, Any], found: dict[str, int | None]) -> None:
+    """Refuse a config.json that contradicts what the graph itself says."""
+    wrong = [
+        f"{key} {text[key]} (the graph has {value})"
+        for key, value in found.items()
+        if value is not None and key in text and text[key] is not None and text[key] != value
+    ]
+    if wrong:
+        raise ConfigError(
+            f"{path}: does not describe this model: {'; '.join(wrong)}"
+            " (pass the Hugging Face folder this model was exported from)"
+        )
 
 
 def _first_id(value: Any) -> int | None:
@@ -217,6 +275,8 @@ def genai_config(
 
     hf = _read_json(Path(hf_config_dir) / "config.json") if hf_config_dir else {}
     text = hf.get("text_config", hf)
+    if hf_config_dir:
+        check_hf_config(hf_config_dir)
     gen = _read_json(Path(hf_config_dir) / "generation_config.json") if hf_config_dir else {}
 
     inputs = {v.name for v in graph.inputs}
@@ -235,16 +295,16 @@ def genai_config(
     past = next(v for v in graph.inputs if v.name == names.past_key % 0)
     kv_heads, head_size = _dim(past, 1), _dim(past, 3)
     gqa = [n for n in graph if (n.domain, n.op_type) == _GQA]
-    heads = None
+    heads = graph_heads = None
     if gqa:
-        heads = gqa[0].attributes["num_heads"].value
+        heads = graph_heads = gqa[0].attributes["num_heads"].value
     else:
         heads = text.get("num_attention_heads")
         attention = [n for n in graph if (n.domain, n.op_type) == ("", "Attention")]
         if attention:
             found = attention_heads(attention[0])
             if isinstance(found, HeadCounts):
-                heads = found.q_heads
+                heads = graph_heads = found.q_heads
     kv_heads = kv_heads or text.get("num_key_value_heads")
     head_size = head_size or text.get("head_dim")
     if not all(isinstance(x, int) for x in (heads, kv_heads, head_size)):
@@ -252,6 +312,19 @@ def genai_config(
             "cannot tell head counts and head size from the graph (pass hf_config_dir)"
         )
     logits = next(v for v in graph.outputs if v.name == "logits")
+    if hf_config_dir:
+        _check_against_graph(
+            str(Path(hf_config_dir) / "config.json"),
+            text,
+            {
+                "num_attention_heads": graph_heads,
+                "num_key_value_heads": _dim(past, 1),
+                "head_dim": _dim(past, 3),
+                "num_hidden_layers": names.num_layers,
+                "vocab_size": _dim(logits, 2),
+                "hidden_size": _embedding_width(graph),
+            },
+        )
     vocab = _dim(logits, 2) or text.get("vocab_size")
 
     context = _context_length(gqa, report, text)
@@ -346,12 +419,14 @@ def write_genai_package(
     ep: str | EPCapabilities | None = None,
     filename: str = "model.onnx",
     share_buffer: bool | None = None,
+    protected: dict[Path, str] | None = None,
 ) -> GenaiPackage:
     """Write ``outdir/model.onnx``, ``outdir/genai_config.json`` and the tokenizer files.
 
     ``ep`` defaults to the report's EP. Tokenizer files (and ``generation_config.json``) are
     copied from ``hf_config_dir`` when given; genai cannot load a model folder without a
-    tokenizer, but a caller feeding token ids directly does not need one.
+    tokenizer, but a caller feeding token ids directly does not need one. ``protected``:
+    files (resolved) that must not be written over (the input's, see ``io.files_read``).
     """
     if ep is None:
         ep = report.ep if report is not None else "cpu"
@@ -359,15 +434,25 @@ def write_genai_package(
         model, report, ep, hf_config_dir=hf_config_dir, filename=filename, share_buffer=share_buffer
     )
     outdir = Path(outdir)
-    outdir.mkdir(parents=True, exist_ok=True)
-    save_model(model, outdir / filename)
-    (outdir / CONFIG_NAME).write_text(json.dumps(config, indent=4) + "\n")
-    copied = []
+    protected = dict(protected or {})
+    check_output(outdir, protected, directory=True)
+    copies = []
     if hf_config_dir is not None:
         for name in (*TOKENIZER_FILES, "generation_config.json"):
             source = Path(hf_config_dir) / name
-            if source.is_file():
-                shutil.copyfile(source, outdir / name)
-                copied.append(name)
+            if source.is_file() and source.resolve() != (outdir / name).resolve():
+                copies.append(name)
+    for name in (CONFIG_NAME, *copies):
+        check_output(outdir / name, protected)
+    outdir.mkdir(parents=True, exist_ok=True)
+    save_model(model, outdir / filename, protected=protected)
+    write_text(outdir / CONFIG_NAME, json.dumps(config, indent=4) + "\n")
+    copied = []
+    for name in copies:
+        try:
+            shutil.copyfile(Path(hf_config_dir) / name, outdir / name)
+        except OSError as err:
+            raise OutputError(f"cannot write {outdir / name}: {reason(err)}") from None
+        copied.append(name)
     share = config["search"]["past_present_share_buffer"]
     return GenaiPackage(outdir, config, share, blocker, copied)

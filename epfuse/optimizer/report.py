@@ -49,10 +49,12 @@ class Report:
     ops_after: dict[str, int] = dataclasses.field(default_factory=dict)
     seconds: float = 0.0
     violations: list[str] = dataclasses.field(default_factory=list)
+    """Nodes the EP's record does not take after legalization (a model with any is refused)."""
     warnings: list[str] = dataclasses.field(default_factory=list)
     """What the run could not do as designed but that did not make the model wrong (a stage
-    without a fixed point, shape inference that failed)."""
-    """Nodes the EP's record does not take after legalization (a model with any is refused)."""
+    without a fixed point, shape inference that failed), and what the caller should know
+    (``max_seq_len`` above the model's own maximum position); the CLI also prints each on
+    stderr as ``epfuse: warning: ...``."""
     verification: str | None = None
     """With ``optimize(verify=True)``: the verdict against the original, and what was rolled
     back (None when not verified)."""

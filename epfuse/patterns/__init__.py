@@ -13,6 +13,7 @@ from .canonicalize.rotate_half import RotateHalfToRotaryEmbedding
 from .canonicalize.sdpa import DecomposedAttentionToAttention
 from .canonicalize.split_rotary import SplitHalvesToRotaryEmbedding
 from .legalize.expand import ExpandAttention, ExpandRMSNormalization, ExpandRotaryEmbedding
+from .legalize.skip_norm import SkipSimplifiedToAddRMSNorm
 from .lower.gqa import AttentionToGQA
 from .lower.moe import ExpertsToMoE
 from .lower.mrope import MRopeLowering
@@ -46,6 +47,7 @@ RULES: tuple[Rule, ...] = (
     RMSNormToSimplified(),
     SimplifiedToRMSNorm(),
     OnnxRotaryToContrib(),
+    SkipSimplifiedToAddRMSNorm(),
     ExpandAttention(),
     ExpandRotaryEmbedding(),
     ExpandRMSNormalization(),

@@ -42,7 +42,10 @@ def add_verify_command(sub: argparse._SubParsersAction) -> argparse.ArgumentPars
     ver.add_argument(
         "--seed", type=int, default=0, help="seed of the token ids (default 0; with --scenario)"
     )
-    ver.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
+    # SUPPRESS: leave a top-level `epfuse --debug` alone.
+    ver.add_argument(
+        "--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS
+    )
     ver.set_defaults(handler=run_verify)
     return ver
 

@@ -61,7 +61,10 @@ def add_fuzz_command(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
         "longest window or threshold, at least 12, within the models' positions)",
     )
     fz.add_argument("--json", metavar="FILE", help="also write the result as JSON")
-    fz.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
+    # SUPPRESS: leave a top-level `epfuse --debug` alone.
+    fz.add_argument(
+        "--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS
+    )
     fz.set_defaults(handler=run_fuzz)
     return fz
 

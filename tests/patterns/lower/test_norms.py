@@ -143,7 +143,11 @@ def test_simplified_layer_norm_back_to_rms_norm_for_default():
     PassManager().run(model, get_ep("default"), "float32", OptimizeOptions())
     back = ir.to_proto(model)
     assert _ops(back)["SimplifiedLayerNormalization"] == 0
-    assert _ops(back)["RMSNormalization"] == 1
+    # default lacks the contrib SkipSimplifiedLayerNormalization too: legalized to
+    # Add + RMSNormalization (legalize/skip_norm), so every norm is an RMSNormalization.
+    skips = _ops(dml)["com.microsoft::SkipSimplifiedLayerNormalization"]
+    assert _ops(back)["com.microsoft::SkipSimplifiedLayerNormalization"] == 0
+    assert skips == 4 and _ops(back)["RMSNormalization"] == 1 + skips
     assert_equivalent(original, back)
 
 
