@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import numbers
 import os
+import re
 from collections.abc import Iterable
 from typing import TypeVar, overload
 
