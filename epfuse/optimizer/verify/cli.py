@@ -66,8 +66,16 @@ def load_pair(original: str, optimized: str) -> list:
 
 def compare_or_explain(original_path: str, models: list, **kwargs):
     """``compare_models`` with every way it can fail as input turned into a one-line error."""
+    from .roles import discover_io
     from .runner import LengthError, compare_models
 
+    for which, model in zip(("original", "optimized"), models, strict=False):
+        # Both directions alike: a model whose I/O roles are not found cannot be compared
+        # (exit 1); exit 4 is only for comparable models that differ.
+        try:
+            discover_io(model)
+        except ValueError as err:
+            raise EpfuseError(f"cannot compare these models: {which} model: {err}") from None
     try:
         result = compare_models(*models, **kwargs)
     except LengthError as err:
