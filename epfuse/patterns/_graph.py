@@ -65,6 +65,15 @@ def _alias(domain: str) -> str:
     return "ai.onnx" if domain == "" else domain
 
 
+def only_consumer(value: ir.Value) -> ir.Node | None:
+    """The one node reading ``value``, or None when it has several readers or is a graph
+    output (a rewrite that absorbs ``value`` would then change what others see)."""
+    uses = list(value.uses())
+    if len(uses) != 1 or value.is_graph_output():
+        return None
+    return uses[0].node
+
+
 def input_at(node: ir.Node, index: int) -> ir.Value | None:
     return node.inputs[index] if index < len(node.inputs) else None
 

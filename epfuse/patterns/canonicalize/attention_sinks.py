@@ -42,6 +42,7 @@ from .._graph import (
     dim,
     initializer,
     input_at,
+    only_consumer,
     producer,
     remove_dead,
     replace_value,
@@ -51,9 +52,8 @@ from .._signature import probe_array
 from ..analysis.head_counts import axis_size, record_heads
 from ..base import Kept, RewriteContext, Rewritten, Rule, Stage
 from .sdpa import (
+    AttentionMatch,
     DecomposedAttentionToAttention,
-    _Match,
-    _single_consumer,
 )
 
 # (batch, query length, extra key columns beyond the query) the original is evaluated at.
@@ -109,11 +109,11 @@ class AttentionSinksToAttention(Rule):
             return None
         scores, column = concat.inputs
         chain.append(concat)
-        sliced = _single_consumer(node.outputs[0])
+        sliced = only_consumer(node.outputs[0])
         if not _drops_last_column(sliced):
             return None
         chain.append(sliced)
-        pv = _single_consumer(sliced.outputs[0])
+        pv = only_consumer(sliced.outputs[0])
         if pv is None or pv.op_type != "MatMul" or pv.domain != "":
             return None
         if pv.inputs[0] is not sliced.outputs[0]:
@@ -121,7 +121,7 @@ class AttentionSinksToAttention(Rule):
         chain.append(pv)
         v = pv.inputs[1]
 
-        m = _Match()
+        m = AttentionMatch()
         parsed = DecomposedAttentionToAttention._parse_masked_scores(scores, m)
         if parsed is None:
             return None

@@ -27,16 +27,18 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
-from .._graph import attr, const_ints, const_scalar, input_at, producer, remove_dead, replace_value
+from .._graph import (
+    attr,
+    const_ints,
+    const_scalar,
+    input_at,
+    only_consumer,
+    producer,
+    remove_dead,
+    replace_value,
+)
 from .._opset import require_default_opset
 from ..base import Kept, RewriteContext, Rewritten, Rule, Stage
-
-
-def _only_consumer(value: ir.Value) -> ir.Node | None:
-    uses = list(value.uses())
-    if len(uses) != 1 or value.is_graph_output():
-        return None
-    return uses[0].node
 
 
 def _other(node: ir.Node, value: ir.Value) -> ir.Value | None:
@@ -75,22 +77,22 @@ class DecomposedRMSNormToRMSNormalization(Rule):
             axes = list(axes) if axes is not None else None
         if rank is None or axes not in ([-1], [rank - 1]) or attr(node, "keepdims", 1) != 1:
             return None
-        add = _only_consumer(node.outputs[0])
+        add = only_consumer(node.outputs[0])
         if add is None or add.op_type != "Add":
             return None
         eps = const_scalar(_other(add, node.outputs[0]))
         if eps is None or not 0 <= eps < 1:
             return None
-        sqrt = _only_consumer(add.outputs[0])
+        sqrt = only_consumer(add.outputs[0])
         if sqrt is None or sqrt.op_type != "Sqrt":
             return None
         chain += [add, sqrt]
-        scale_node = _only_consumer(sqrt.outputs[0])
+        scale_node = only_consumer(sqrt.outputs[0])
         if scale_node is None:
             return None
         if scale_node.op_type == "Reciprocal" or _is_one_over(scale_node, sqrt.outputs[0]):
             chain.append(scale_node)
-            normalize = _only_consumer(scale_node.outputs[0])
+            normalize = only_consumer(scale_node.outputs[0])
             if normalize is None or normalize.op_type != "Mul":
                 return None
             if _other(normalize, scale_node.outputs[0]) is not xf:
@@ -108,7 +110,7 @@ class DecomposedRMSNormToRMSNormalization(Rule):
         normalized = normalize.outputs[0]
         x = xf
         upcast = producer(xf, "Cast")
-        after = _only_consumer(normalized)
+        after = only_consumer(normalized)
         if after is not None and after.op_type == "Cast" and upcast is not None:
             source = upcast.inputs[0]
             if attr(after, "to") != source.dtype or source.dtype is None:
@@ -117,7 +119,7 @@ class DecomposedRMSNormToRMSNormalization(Rule):
                 return None
             chain.append(after)
             x, normalized = source, after.outputs[0]
-        weight_mul = _only_consumer(normalized)
+        weight_mul = only_consumer(normalized)
         if weight_mul is None or weight_mul.op_type != "Mul":
             return None
         weight = _other(weight_mul, normalized)

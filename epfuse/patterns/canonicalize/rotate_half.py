@@ -58,6 +58,7 @@ from .._graph import (
     dim,
     initializer,
     input_at,
+    only_consumer,
     producer,
     remove_dead,
     replace_value,
@@ -105,13 +106,13 @@ def static_ints(value: ir.Value | None, _depth: int = 0) -> list[int] | None:
             return None
         return [a[0] // b[0]]
     if node.op_type == "Gather" and (shape := producer(node.inputs[0], "Shape")) is not None:
-        # x.shape[-1] of a Slice whose width shape inference left unknown (_static_last)
+        # x.shape[-1] of a Slice whose width shape inference left unknown (static_last)
         index, src = const_ints(node.inputs[1]), shape.inputs[0]
         r = len(src.shape) if src.shape is not None else None
         if index is not None and len(index) == 1 and r is not None and attr(node, "axis", 0) == 0:
             start = attr(shape, "start", 0)
             if attr(shape, "end") is None and start in (0,) and index[0] in (-1, r - 1):
-                width = _static_last(src)
+                width = static_last(src)
                 return [width] if width is not None else None
     folded = shape_vector(value)
     if folded is None or not all(isinstance(d, int) for d in folded):
@@ -122,7 +123,7 @@ def static_ints(value: ir.Value | None, _depth: int = 0) -> list[int] | None:
 _INT_TYPES = (ir.DataType.INT64, ir.DataType.INT32)
 
 
-def _static_last(value: ir.Value) -> int | None:
+def static_last(value: ir.Value) -> int | None:
     """The static last dim; for a step-1 last-axis Slice whose bounds are computed from static
     dims (shape inference leaves those unknown), the width the bounds give."""
     if value.shape is None or not value.shape:
@@ -153,7 +154,7 @@ def _rotate_half_source(rotated: ir.Value, chain: list[ir.Node]) -> ir.Value | N
     if second is None or first is None or second.inputs[0] is not first.inputs[0]:
         return None
     x = first.inputs[0]
-    width = _static_last(x)
+    width = static_last(x)
     if x.shape is None or len(x.shape) != 4 or width is None or width % 2:
         return None
     half = width // 2
@@ -173,7 +174,7 @@ def _strided_slice(node: ir.Node | None, rank: int) -> tuple[ir.Value, int] | No
     x = node.inputs[0]
     starts, ends = const_ints(input_at(node, 1)), const_ints(input_at(node, 2))
     axes, steps = const_ints(input_at(node, 3)), const_ints(input_at(node, 4))
-    width = _static_last(x)
+    width = static_last(x)
     if starts is None or ends is None or width is None or steps != [2]:
         return None
     if axes not in ([-1], [rank - 1]) or len(starts) != 1 or ends[0] < width:
@@ -210,7 +211,7 @@ def _interleaved_source(rotated: ir.Value, chain: list[ir.Node]) -> ir.Value | N
     if odd is None or even is None or odd[0] is not even[0] or (even[1], odd[1]) != (0, 1):
         return None
     x = even[0]
-    width = _static_last(x)
+    width = static_last(x)
     if x.shape is None or len(x.shape) != 4 or width is None or width % 2:
         return None
     target = shape_vector(reshape.inputs[1])
@@ -236,7 +237,7 @@ def _repeat_interleave_source(value: ir.Value) -> ir.Value | None:
     if unsq is None or const_ints(input_at(unsq, 1)) not in ([-1], [3]):
         return None
     f = unsq.inputs[0]
-    if f.shape is None or len(f.shape) != 3 or _static_last(f) is None:
+    if f.shape is None or len(f.shape) != 3 or static_last(f) is None:
         return None
     repeat = const_ints(expand.inputs[1])
     if repeat is None or len(repeat) > 4 or repeat[-1] != 2 or any(r != 1 for r in repeat[:-1]):
@@ -249,7 +250,7 @@ def _repeat_interleave_source(value: ir.Value) -> ir.Value | None:
         allowed = (dim(f, axis), dim(unsq.outputs[0], axis), dim(expand.outputs[0], axis), -1)
         if not _accepts(target[axis], allowed, allowzero):
             return None
-    if target[2] not in (2 * _static_last(f), -1):
+    if target[2] not in (2 * static_last(f), -1):
         return None
     return f
 
@@ -407,7 +408,7 @@ def _bns(x: ir.Value) -> ir.Value:
     return x
 
 
-def _per_token(value: ir.Value, x: ir.Value) -> bool:
+def per_token(value: ir.Value, x: ir.Value) -> bool:
     """value is (batch, seq, ...) of the (B, N, S, H) x: provably not broadcast."""
     ref = _bns(x)
     return same_dim(dim(value, 0), dim(ref, 0)) and same_dim(dim(value, 1), dim(ref, 2))
@@ -478,7 +479,7 @@ def _dim_as_is(value: ir.Value, axis: int):
     return value.shape[axis] if value.shape is not None else None
 
 
-def _to_position_caches(ctx: RewriteContext, rope: ir.Node, x: ir.Value) -> str | None:
+def to_position_caches(ctx: RewriteContext, rope: ir.Node, x: ir.Value) -> str | None:
     """Turn ``rope``'s run-time cos/sin into caches read at position_ids (proven by
     evaluation, see ``rope_caches``), with the positions (batch, seq) like ``x``; or why not."""
     outcome = RopeCosSinToCaches().apply(rope, ctx)
@@ -527,9 +528,9 @@ class RotateHalfToRotaryEmbedding(Rule):
         if matched is None:
             return None
         x, cos_full, sin_full, chain, interleaved = matched
-        width = _static_last(x)
+        width = static_last(x)
         for c in (cos_full, sin_full):
-            d = _static_last(c)
+            d = static_last(c)
             if d is not None and d != width:
                 return Kept("cos/sin width differs from the rotated width")
         partial = self._partial(node, x)
@@ -543,7 +544,7 @@ class RotateHalfToRotaryEmbedding(Rule):
         source = x
         if partial is not None:
             source, concat, tail = partial
-            if width < _static_last(source):
+            if width < static_last(source):
                 attributes["rotary_embedding_dim"] = width
             chain = [concat, *chain, x.producer(), tail]
             target = concat.outputs[0]
@@ -558,7 +559,7 @@ class RotateHalfToRotaryEmbedding(Rule):
         if reason:
             return Kept(reason)
         positions = input_at(rope, 3)
-        if positions is not None and not _per_token(positions, x):
+        if positions is not None and not per_token(positions, x):
             rope.replace_input_with(3, _expanded_positions(ctx, node, positions, x))
         ctx.graph.insert_before(node, rope)
         rope.replace_input_with(0, source)
@@ -584,15 +585,15 @@ class RotateHalfToRotaryEmbedding(Rule):
         sin_plan = _half_plan(sin_full, "Sin", interleaved)
         if cos_plan is None or sin_plan is None:
             return "cos/sin are not proven to be two equal halves [c, c]"
-        per_token = True
+        all_per_token = True
         for _, half, steps in (cos_plan, sin_plan):
             casts = [n for n in steps if n.op_type == "Cast"]
             dtype = ir.DataType(attr(casts[-1], "to")) if casts else half.dtype
             if dtype != x.dtype:
                 return "cos/sin do not have the dtype of the rotated input"
             # RotaryEmbedding reads cos/sin per (batch, token): they must not broadcast.
-            if not _per_token(half, x):
-                per_token = False
+            if not per_token(half, x):
+                all_per_token = False
         cos_half = _half(ctx, cos_full, cos_plan, node)
         sin_half = _half(ctx, sin_full, sin_plan, node)
         rope = ir.node(
@@ -601,8 +602,8 @@ class RotateHalfToRotaryEmbedding(Rule):
             {"interleaved": int(interleaved)},
             name=f"{node.name or 'rope'}/RotaryEmbedding",
         )
-        if not per_token:  # (rope is not in the graph yet: nothing to undo)
-            reason = _to_position_caches(ctx, rope, x)
+        if not all_per_token:  # (rope is not in the graph yet: nothing to undo)
+            reason = to_position_caches(ctx, rope, x)
             if reason:
                 return f"cos/sin are not (batch, seq) like the rotated input ({reason})"
         return rope
@@ -647,23 +648,20 @@ class RotateHalfToRotaryEmbedding(Rule):
         if head is None:
             return None
         full = head.inputs[0]
-        if full.shape is None or len(full.shape) != 4 or _static_last(full) is None:
+        if full.shape is None or len(full.shape) != 4 or static_last(full) is None:
             return None
-        width = _static_last(x)
+        width = static_last(x)
         # width == the head size: transformers 4.x's Phi-3 always splits at cos.shape[-1] and
         # concatenates an empty pass-through; the whole is then a full rotation.
-        if _last_axis_slice(head, full, 4) != (0, width) or width > _static_last(full):
+        if _last_axis_slice(head, full, 4) != (0, width) or width > static_last(full):
             return None
-        uses = list(node.outputs[0].uses())
-        if len(uses) != 1 or node.outputs[0].is_graph_output():
-            return None
-        concat = uses[0].node
-        if concat.op_type != "Concat" or attr(concat, "axis") not in (-1, 3):
+        concat = only_consumer(node.outputs[0])
+        if concat is None or concat.op_type != "Concat" or attr(concat, "axis") not in (-1, 3):
             return None
         if len(concat.inputs) != 2 or concat.inputs[0] is not node.outputs[0]:
             return None
         tail = producer(concat.inputs[1], "Slice")
         got = _last_axis_slice(tail, full, 4) if tail else None
-        if got is None or got[0] != width or got[1] < _static_last(full):
+        if got is None or got[0] != width or got[1] < static_last(full):
             return None
         return full, concat, tail

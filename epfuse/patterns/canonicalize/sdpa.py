@@ -40,6 +40,7 @@ from .._graph import (
     const_scalar,
     dim,
     initializer,
+    only_consumer,
     producer,
     remove_dead,
     replace_value,
@@ -239,7 +240,11 @@ def _plan_inert_guard(mask: ir.Value, k: ir.Value, ctx: RewriteContext):
     return plan
 
 
-class _Match:
+class AttentionMatch:
+    """What matching a decomposed attention found: the nodes it covers (``chain``, removed on
+    rewrite), the score scale, the softcap (0 when none), the additive mask and the softmax's
+    precision. The attention-sink lift matches the same scores and reuses it."""
+
     def __init__(self) -> None:
         self.chain: list[ir.Node] = []
         self.scale = 1.0
@@ -248,7 +253,7 @@ class _Match:
         self.softmax_precision: int | None = None
 
 
-def _parse_softcap(value: ir.Value, m: _Match) -> ir.Value:
+def _parse_softcap(value: ir.Value, m: AttentionMatch) -> ir.Value:
     """Strip ``cap * Tanh(x / cap)``; records the cap."""
     mul = producer(value, "Mul")
     got = _scalar_operand(mul) if mul else None
@@ -274,7 +279,7 @@ def _parse_softcap(value: ir.Value, m: _Match) -> ir.Value:
     return x
 
 
-def _parse_scores(scores: ir.Value, m: _Match) -> tuple[ir.Value, ir.Value] | str | None:
+def _parse_scores(scores: ir.Value, m: AttentionMatch) -> tuple[ir.Value, ir.Value] | str | None:
     """(Q, K) of ``scores = scale * Q @ K^T`` (softcap, scale already parsed here)."""
     value = _parse_softcap(scores, m)
     value, factor = _peel_scale(value, m.chain)
@@ -299,7 +304,7 @@ class DecomposedAttentionToAttention(Rule):
     description = "MatMul/scale/mask/Softmax/MatMul attention -> ONNX Attention (opset 23)"
 
     def apply(self, node: ir.Node, ctx: RewriteContext):
-        m = _Match()
+        m = AttentionMatch()
         m.chain.append(node)
         probs = node.outputs[0]
         # Optional float32 softmax: Cast(T -> float) before, Cast(float -> T) after.
@@ -308,7 +313,7 @@ class DecomposedAttentionToAttention(Rule):
         if upcast is not None and attr(upcast, "to") == ir.DataType.FLOAT:
             scores = upcast.inputs[0]
             m.chain.append(upcast)
-        consumer = _single_consumer(probs)
+        consumer = only_consumer(probs)
         if upcast is not None and scores is not node.inputs[0]:
             if (
                 consumer is None
@@ -321,7 +326,7 @@ class DecomposedAttentionToAttention(Rule):
             if scores.dtype != ir.DataType.FLOAT:
                 m.softmax_precision = int(ir.DataType.FLOAT)
         probs, guarded = _strip_nan_guard(probs, m)
-        pv = _single_consumer(probs)
+        pv = only_consumer(probs)
         if pv is None or pv.op_type != "MatMul" or pv.domain != "" or pv.inputs[0] is not probs:
             return None
         m.chain.append(pv)
@@ -376,18 +381,18 @@ class DecomposedAttentionToAttention(Rule):
         return Rewritten(note + (", masked" if m.mask is not None else ""))
 
     @staticmethod
-    def _parse_masked_scores(scores: ir.Value, m: _Match):
+    def _parse_masked_scores(scores: ir.Value, m: AttentionMatch):
         add = producer(scores, "Add")
         if add is not None:
             for a, b in ((0, 1), (1, 0)):
-                trial = _Match()
+                trial = AttentionMatch()
                 parsed = _parse_scores(add.inputs[a], trial)
                 if parsed is None:
                     continue
                 m.chain += [add, *trial.chain]
                 m.scale, m.softcap, m.mask = trial.scale, trial.softcap, add.inputs[b]
                 return parsed
-        trial = _Match()
+        trial = AttentionMatch()
         parsed = _parse_scores(scores, trial)
         if parsed is not None:
             m.chain += trial.chain
@@ -395,7 +400,7 @@ class DecomposedAttentionToAttention(Rule):
         return parsed
 
     @staticmethod
-    def _check(softmax: ir.Node, q, k, v, m: _Match) -> str | None:
+    def _check(softmax: ir.Node, q, k, v, m: AttentionMatch) -> str | None:
         for name, value in (("Q", q), ("K", k), ("V", v)):
             if _rank(value) != 4:
                 return f"{name} is not rank 4 (batch, heads, seq, head_size)"
@@ -432,14 +437,7 @@ def _default_opset(node: ir.Node) -> int:
     return opsets.get("", opsets.get("ai.onnx", 1))
 
 
-def _single_consumer(value: ir.Value) -> ir.Node | None:
-    uses = list(value.uses())
-    if len(uses) != 1 or value.is_graph_output():
-        return None
-    return uses[0].node
-
-
-def _strip_nan_guard(probs: ir.Value, m: _Match) -> tuple[ir.Value, bool]:
+def _strip_nan_guard(probs: ir.Value, m: AttentionMatch) -> tuple[ir.Value, bool]:
     """``Where(IsNaN(P), 0, P)`` -> its output (the caller proves the guard is a no-op)."""
     uses = list(probs.uses())
     if len(uses) != 2 or probs.is_graph_output():

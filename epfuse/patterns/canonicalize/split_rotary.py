@@ -23,7 +23,7 @@ import onnx_ir as ir
 from .._graph import attr, const_ints, input_at, producer, remove_dead, replace_value
 from .._opset import require_default_opset
 from ..base import Kept, RewriteContext, Rewritten, Rule, Stage
-from .rotate_half import _per_token, _static_last, _to_position_caches
+from .rotate_half import per_token, static_last, to_position_caches
 
 
 def _mul_of(node: ir.Node | None, a: ir.Value, b: ir.Value) -> bool:
@@ -70,7 +70,7 @@ def _halves(x1: ir.Value, x2: ir.Value) -> tuple[ir.Node, ir.Value] | None:
     x = split.inputs[0]
     if x.shape is None or len(x.shape) != 4 or attr(split, "axis", 0) not in (-1, 3):
         return None
-    width = _static_last(x)
+    width = static_last(x)
     if width is None or width % 2:
         return None
     sizes = const_ints(input_at(split, 1)) if len(split.inputs) > 1 else None
@@ -119,11 +119,11 @@ class SplitHalvesToRotaryEmbedding(Rule):
         cos, sin = _heads_unsqueezed(c4, chain), _heads_unsqueezed(s4, chain)
         if cos is None or sin is None:
             return Kept("split-halves RoPE: cos/sin are not (batch, seq, D/2) broadcast over heads")
-        width = _static_last(x)
+        width = static_last(x)
         for value in (cos, sin):
             if value.dtype not in (None, x.dtype):
                 return Kept("split-halves RoPE: cos/sin do not have the rotated dtype")
-            half = _static_last(value)
+            half = static_last(value)
             if half is not None and 2 * half != width:
                 return Kept("split-halves RoPE: cos/sin are not half the head size wide")
         reason = require_default_opset(ctx.model, 23, ctx.cache)
@@ -135,8 +135,8 @@ class SplitHalvesToRotaryEmbedding(Rule):
             {"interleaved": 0},
             name=f"{node.name or 'rope'}/RotaryEmbedding",
         )
-        if not (_per_token(cos, x) and _per_token(sin, x)):
-            why = _to_position_caches(ctx, rope, x)
+        if not (per_token(cos, x) and per_token(sin, x)):
+            why = to_position_caches(ctx, rope, x)
             if why:
                 return Kept(f"split-halves RoPE: cos/sin are not (batch, seq) of the input ({why})")
         ctx.graph.insert_before(node, rope)

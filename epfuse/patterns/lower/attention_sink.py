@@ -19,7 +19,7 @@ import dataclasses
 import numpy as np
 import onnx_ir as ir
 
-from .._graph import attr, const_array, const_ints, input_at
+from .._graph import attr, const_array, const_ints, input_at, only_consumer
 
 
 @dataclasses.dataclass
@@ -30,13 +30,6 @@ class SinkPlan:
     """The sink-scaled output (the Mul) that GQA's output replaces."""
     nodes: list[ir.Node]
     """The correction's nodes, dead once GQA replaces ``output``."""
-
-
-def _only_use(value: ir.Value) -> ir.Node | None:
-    uses = list(value.uses())
-    if len(uses) != 1 or value.is_graph_output():
-        return None
-    return uses[0].node
 
 
 def qk_used(node: ir.Node) -> bool:
@@ -53,13 +46,13 @@ def match_sink(node: ir.Node, num_heads: int) -> SinkPlan | str:
         return why
     if attr(node, "softcap", 0.0):
         return "attention sinks with a softcap: GQA's head_sink order is not verified for it"
-    lse = _only_use(node.outputs[3])
+    lse = only_consumer(node.outputs[3])
     if lse is None or lse.op_type != "ReduceLogSumExp" or lse.domain != "":
         return why
     axes = const_ints(input_at(lse, 1)) if len(lse.inputs) > 1 else attr(lse, "axes")
     if axes is None or list(axes) not in ([-1], [3]) or attr(lse, "keepdims", 1) != 1:
         return why
-    sub = _only_use(lse.outputs[0])
+    sub = only_consumer(lse.outputs[0])
     if sub is None or sub.op_type != "Sub" or sub.inputs[0] is not lse.outputs[0]:
         return why
     sinks = const_array(sub.inputs[1])
@@ -69,12 +62,12 @@ def match_sink(node: ir.Node, num_heads: int) -> SinkPlan | str:
         return "the sink logits do not broadcast over the heads axis"
     if sinks.ndim not in (1, 4) or (sinks.ndim == 1 and num_heads != 1):
         return "the sink logits do not broadcast over the heads axis"
-    sigmoid = _only_use(sub.outputs[0])
+    sigmoid = only_consumer(sub.outputs[0])
     if sigmoid is None or sigmoid.op_type != "Sigmoid":
         return why
-    mul = _only_use(sigmoid.outputs[0])
+    mul = only_consumer(sigmoid.outputs[0])
     if mul is None or mul.op_type != "Mul" or node.outputs[0] not in mul.inputs:
         return why
-    if _only_use(node.outputs[0]) is not mul:
+    if only_consumer(node.outputs[0]) is not mul:
         return "the attention output is also read without the sink correction"
     return SinkPlan(sinks.reshape(-1), mul.outputs[0], [mul, sigmoid, sub, lse])
