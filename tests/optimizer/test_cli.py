@@ -78,6 +78,21 @@ def test_int4_cli_options(tmp_path, example_model, capsys):
     assert [n.output[0] for n in model.graph.node if n.op_type == "MatMul"] == ["logits"]
 
 
+@pytest.mark.parametrize(("precision", "reference"), [("fp16", "float16"), ("int4", "int4")])
+def test_low_precision_verify_end_to_end(tmp_path, example_model, capsys, precision, reference):
+    """fp16 and int4 outputs pass --verify against their same-precision unfused reference."""
+    out_path = tmp_path / "o.onnx"
+    argv = ["optimize", str(example_model), "-o", str(out_path), "--precision", precision]
+    assert main([*argv, "--verify"]) == 0
+    out = capsys.readouterr().out
+    assert "2 of 2 attention layers fused" in out
+    assert "verification: passed (scenarios prompt, decode, chunk, padded" in out
+    assert f"reference: the unfused model at {reference}" in out
+    assert "drift: vs the float32 original" in out
+    stored = {p.key: p.value for p in onnx.load(str(out_path)).metadata_props}
+    assert json.loads(stored["epfuse.report"])["verification"].startswith("passed")
+
+
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
