@@ -1,12 +1,15 @@
-"""Hugging Face Optimum exports (TorchScript exporter, Optimum's default opset 18) fuse like
-dynamo exports, per layer, and stay equal to the export in every scenario.
+"""Hugging Face Optimum exports (TorchScript exporter, Optimum's default opset 18 and
+``--opset 14``) fuse like dynamo exports, per layer, and stay equal to the export in every
+scenario.
 
 Optimum's graphs build the mask with ``Where(bool, 0, -inf)`` and a NaN guard after the
 softmax (proven inert by evaluating the mask), shapes through ``Shape``/``Gather``/``Concat``
 chains of ``Constant`` nodes (derived by ``analysis.shapes``), repeat_kv through
 ``Expand``/``Reshape`` of those, and the KV cache as ``Concat(past, new)``. Each export is first
 checked against the Hugging Face model it came from (transformers 4.57), then the optimized
-model against the export with prompts and pasts longer than the sliding window.
+model against the export with prompts and pasts longer than the sliding window. At opset 14 the export is raised to opset 23 first (ReduceMean's axes
+attribute, ops revised since 14) and must fuse exactly as the opset-18 export does, with no
+reason citing the opset.
 
 One export per family, two layers (Gemma-3: four, to have both layer types twice): CI has 2
 cores. Expectations are the dynamo tables', except where Optimum's interface differs:
@@ -56,19 +59,29 @@ INTERLEAVED = {"cohere"}
 # heads), so Phi-2 is exported as the multi-head model Phi-2 is.
 MULTI_HEAD = {"phi2"}
 NOPE = {("smollm3", 1)}
+# None is Optimum's default (18 for these families); 14 is the lowest opset Optimum exports.
+OPSETS = (None, 14)
+CASES = [(name, opset) for opset in OPSETS for name in EXPECTED]
 
 
-@pytest.mark.parametrize("name", list(EXPECTED))
-def test_optimum_export_fuses_and_stays_equal(name, tmp_path):
+@pytest.mark.parametrize(
+    ("name", "opset"), CASES, ids=[f"{n}-opset{o or 'default'}" for n, o in CASES]
+)
+def test_optimum_export_fuses_and_stays_equal(name, opset, tmp_path):
     from epfuse.testing.optimum_export import export_optimum_decoder
 
     config = ALL_FAMILIES[name].make_config()
     if name in MULTI_HEAD:
         config.num_key_value_heads = config.num_attention_heads
-    original = onnx.load(str(export_optimum_decoder(config, tmp_path / name)))
+    original = onnx.load(str(export_optimum_decoder(config, tmp_path / name, opset=opset)))
+    if opset is not None:
+        assert original.opset_import[0].version == opset
     _assert_export_matches_hf(config, original)
 
     optimized, report = epfuse.optimize_with_report(original, "cpu")
+    reasons = [r for rule in report.rules for r in rule.kept_reasons]
+    reasons += [r for layer in report.layers for r in layer.reasons]
+    assert not [r for r in reasons if "opset" in r], report.summary()
     rotary, windows, softcap = EXPECTED[name]
     assert len(report.layers) == len(windows), report.summary()
     for index, (layer, do_rotary, window) in enumerate(
@@ -91,6 +104,7 @@ def test_optimum_export_fuses_and_stays_equal(name, tmp_path):
         assert attrs.get("softcap", 0.0) == pytest.approx(softcap)
     ops = {n.op_type for n in optimized.graph.node}
     assert not ops & {"Softmax", "IsNaN"}, sorted(ops)
+    assert {o.domain: o.version for o in optimized.opset_import}[""] == 23
     if all(rotary):
         assert not ops & {"Cos", "Sin"}, sorted(ops)
 
