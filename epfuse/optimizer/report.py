@@ -100,13 +100,19 @@ class Report:
             details = "; ".join(layer.notes + layer.reasons) or "-"
             lines.append(f"{layer.layer:>5}  {layer.result:<36}  {details}")
         ran = [r for r in self.rules if r.rewritten or r.kept]
+        skipped = [r for r in self.rules if not r.selected]
+        # One column as wide as the longest listed rule name, so every outcome lines up.
+        width = max((len(r.name) for r in ran + skipped), default=0)
         if ran:
             lines += ["", "rules:"]
             for r in ran:
-                lines.append(f"  {r.stage:<12} {r.name:<30} rewrote {r.rewritten}, kept {r.kept}")
-        skipped = [r for r in self.rules if not r.selected]
+                lines.append(
+                    f"  {r.stage:<12} {r.name:<{width}}  rewrote {r.rewritten}, kept {r.kept}"
+                )
         for r in skipped:
-            lines.append(f"  {r.stage:<12} {r.name:<30} not selected: {r.not_selected_because}")
+            lines.append(
+                f"  {r.stage:<12} {r.name:<{width}}  not selected: {r.not_selected_because}"
+            )
         if self.verification:
             lines += ["", f"verification: {self.verification}"]
         if self.warnings:
