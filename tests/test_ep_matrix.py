@@ -174,17 +174,9 @@ def qwen3_export(tmp_path_factory) -> onnx.ModelProto:
     from transformers import Qwen3Config
 
     from epfuse.testing.hf_export import export_hf_decoder
+    from epfuse.testing.hf_families import tiny_dims
 
-    config = Qwen3Config(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        vocab_size=128,
-        max_position_embeddings=256,
-    )
+    config = Qwen3Config(**tiny_dims(vocab_size=128, max_position_embeddings=256))
     path = export_hf_decoder(config, tmp_path_factory.mktemp("qwen3") / "qwen3.onnx", opset=23)
     return onnx.load(path)
 

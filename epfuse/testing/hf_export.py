@@ -46,19 +46,9 @@ def tiny_llama_config(**overrides: Any):
     """The configuration of the bundled example model (a 2-layer GQA Llama)."""
     from transformers import LlamaConfig
 
-    kwargs: dict[str, Any] = dict(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=512,
-        rope_theta=10000.0,
-    )
-    kwargs.update(overrides)
-    return LlamaConfig(**kwargs)
+    from .hf_families import tiny_dims
+
+    return LlamaConfig(**tiny_dims(**{"rope_theta": 10000.0, **overrides}))
 
 
 def _text_config(config):
@@ -101,23 +91,10 @@ def tiny_qwen3_vl_config(**text_overrides: Any):
 
 
 def _tiny_vl_text(overrides: dict[str, Any], mrope_section: list[int]) -> dict[str, Any]:
-    text: dict[str, Any] = dict(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=512,
-        rope_parameters={
-            "rope_type": "default",
-            "rope_theta": 10000.0,
-            "mrope_section": mrope_section,
-        },
-    )
-    text.update(overrides)
-    return text
+    from .hf_families import tiny_dims
+
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": mrope_section}
+    return tiny_dims(**{"rope_parameters": rope, **overrides})
 
 
 def _build_model(

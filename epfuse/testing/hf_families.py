@@ -27,6 +27,13 @@ _COMMON: dict[str, Any] = dict(
 )
 
 
+def tiny_dims(**overrides: Any) -> dict[str, Any]:
+    """The dims every tiny test model shares (2 layers, 4 query / 2 KV heads of 16, hidden 64,
+    vocab 256), with ``overrides`` applied: the one place they are written, for any config
+    class (``LlamaConfig(**tiny_dims(sliding_window=4))``)."""
+    return {**_COMMON, "head_dim": 16, **overrides}
+
+
 @dataclasses.dataclass(frozen=True)
 class Family:
     name: str

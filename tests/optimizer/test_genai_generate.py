@@ -23,6 +23,7 @@ import epfuse
 from epfuse.optimizer.genai import GenaiPackage, write_genai_package
 from epfuse.optimizer.tolerances import tolerance_for
 from epfuse.testing.hf_export import export_hf_decoder, hf_model, past_input_names
+from epfuse.testing.hf_families import tiny_dims
 
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
@@ -40,19 +41,7 @@ PROMPTS = (
     [BOS, 218, 48, 9, 164, 95, 121, 23, 96, 165, 92],
     [BOS, 187, 235, 74, 163],
 )
-_DIMS = dict(
-    vocab_size=VOCAB,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    max_position_embeddings=512,
-    bos_token_id=BOS,
-    eos_token_id=EOS,
-    pad_token_id=PAD,
-)
+_DIMS = tiny_dims(vocab_size=VOCAB, bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD)
 
 
 def _config(family: str):

@@ -15,6 +15,7 @@ from epfuse.testing.hf_export import (
     past_input_names,
     tiny_llama_config,
 )
+from epfuse.testing.hf_families import tiny_dims
 
 # torch and transformers are optional (the ``export`` extra); hf_export imports them lazily.
 pytest.importorskip("torch")
@@ -125,17 +126,7 @@ def test_sliding_window_export_matches_torch(tmp_path):
     """A prompt longer than the window, then decode: the generic full-cache export is exact."""
     from transformers import MistralConfig
 
-    config = MistralConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=LAYERS,
-        num_attention_heads=4,
-        num_key_value_heads=KV_HEADS,
-        head_dim=HEAD_DIM,
-        max_position_embeddings=512,
-        sliding_window=4,
-    )
+    config = MistralConfig(**tiny_dims(vocab_size=VOCAB, sliding_window=4))
     path = export_hf_decoder(config, tmp_path / "mistral-sw4.onnx", seed=3)
     session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     rng = np.random.default_rng(2)

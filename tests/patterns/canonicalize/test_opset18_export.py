@@ -11,6 +11,7 @@ import pytest
 import epfuse
 from epfuse.optimizer.verify import assert_equivalent
 from epfuse.testing.hf_export import export_hf_decoder, tiny_llama_config
+from epfuse.testing.hf_families import tiny_dims
 
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
@@ -78,14 +79,7 @@ def gemma2_export18(tmp_path_factory) -> str:
     from transformers import Gemma2Config
 
     config = Gemma2Config(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=512,
+        **tiny_dims(),
         sliding_window=4,
         attn_logit_softcapping=50.0,
         final_logit_softcapping=30.0,
@@ -117,13 +111,7 @@ def cohere_export18(tmp_path_factory) -> str:
     from transformers import CohereConfig
 
     config = CohereConfig(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
+        **tiny_dims(),
         bos_token_id=1,
         eos_token_id=2,
         pad_token_id=0,
