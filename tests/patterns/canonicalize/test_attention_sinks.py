@@ -14,6 +14,7 @@ import onnx_ir as ir
 import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
+from proto_graph import ProtoGraph
 
 from epfuse.capabilities import get_ep
 from epfuse.optimizer.manager import _infer_types
@@ -35,15 +36,8 @@ class Variant:
 
 def _graph(v: Variant) -> onnx.ModelProto:
     np_dtype = helper.tensor_dtype_to_np_dtype(v.dtype)
-    nodes, inits = [], []
-
-    def const(name, value, dtype=np_dtype):
-        inits.append(numpy_helper.from_array(np.array(value, dtype=dtype), name))
-        return name
-
-    def op(op_type, inputs, out, **attrs):
-        nodes.append(helper.make_node(op_type, inputs, [out], **attrs))
-        return out
+    g = ProtoGraph(const_dtype=np_dtype)
+    const, op, nodes, inits = g.const, g.op, g.nodes, g.inits
 
     inputs = [
         helper.make_tensor_value_info("q", v.dtype, [B, N, S, H]),

@@ -10,7 +10,8 @@ import onnx
 import onnx_ir as ir
 import onnxruntime as ort
 import pytest
-from onnx import TensorProto, helper, numpy_helper
+from onnx import TensorProto, helper
+from proto_graph import ProtoGraph
 
 from epfuse.capabilities import get_ep
 from epfuse.optimizer.manager import _infer_types
@@ -36,15 +37,8 @@ class Variant:
 def _graph(v: Variant) -> onnx.ModelProto:
     np_dtype = helper.tensor_dtype_to_np_dtype(v.dtype)
     rng = np.random.default_rng(1)
-    nodes, inits = [], []
-
-    def const(name, value, dtype=np.float32):
-        inits.append(numpy_helper.from_array(np.array(value, dtype=dtype), name))
-        return name
-
-    def op(op_type, inputs, out, **attrs):
-        nodes.append(helper.make_node(op_type, inputs, [out], **attrs))
-        return out
+    g = ProtoGraph(const_dtype=np.float32)
+    const, op, nodes, inits = g.const, g.op, g.nodes, g.inits
 
     x = op("Cast", ["x"], "xf", to=TensorProto.FLOAT) if v.casts else "x"
     if v.square == "mul":

@@ -11,7 +11,8 @@ import onnx_ir as ir
 import onnx_ir.passes.common
 import onnxruntime as ort
 import pytest
-from onnx import TensorProto, helper, numpy_helper
+from onnx import TensorProto, helper
+from proto_graph import ProtoGraph
 
 from epfuse.capabilities import get_ep
 from epfuse.optimizer.manager import _infer_types
@@ -53,15 +54,8 @@ class Variant:
 
 def _graph(v: Variant) -> onnx.ModelProto:
     np_dtype = helper.tensor_dtype_to_np_dtype(v.dtype)
-    nodes, inits = [], []
-
-    def const(name, value, dtype=np.int64):
-        inits.append(numpy_helper.from_array(np.array(value, dtype=dtype), name))
-        return name
-
-    def op(op_type, inputs, out, **attrs):
-        nodes.append(helper.make_node(op_type, inputs, [out], **attrs))
-        return out
+    g = ProtoGraph(const_dtype=np.int64)
+    const, op, nodes, inits = g.const, g.op, g.nodes, g.inits
 
     const("a1", [1])
     half = v.rotary // 2

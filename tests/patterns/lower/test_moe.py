@@ -13,7 +13,8 @@ import onnx
 import onnx_ir as ir
 import onnxruntime as ort
 import pytest
-from onnx import TensorProto, helper, numpy_helper
+from onnx import TensorProto, helper
+from proto_graph import ProtoGraph
 
 from epfuse.capabilities import get_ep
 from epfuse.optimizer.manager import _infer_types
@@ -34,17 +35,9 @@ class Variant:
 
 def _graph(v: Variant) -> onnx.ModelProto:
     rng = np.random.default_rng(1)
-    nodes, inits = [], []
     f32 = np.float32
-
-    def const(name, value, dtype=np.int64):
-        inits.append(numpy_helper.from_array(np.asarray(value, dtype=dtype), name))
-        return name
-
-    def op(op_type, inputs, out, n_out=1, **attrs):
-        outs = [out] if n_out == 1 else [f"{out}_{i}" for i in range(n_out)]
-        nodes.append(helper.make_node(op_type, inputs, outs, **attrs))
-        return out if n_out == 1 else outs
+    g = ProtoGraph(const_dtype=np.int64)
+    const, op, nodes, inits = g.const, g.op, g.nodes, g.inits
 
     router_bias = np.array([0.5, 0.5, 0.5, 0.0], f32)  # a zero token ties 3 experts for 2 places
     logits = op(
