@@ -12,6 +12,7 @@ from .records import EPCapabilities, GQASupport, OpSupport
 _CPU_GQA = GQASupport(
     qk_norm=False,
     head_sink=True,
+    kv_cache_int8=True,
     head_size_multiple=8,
     rotary_head_size_multiple=16,
     rotary_cache_width_multiple=8,

@@ -59,6 +59,8 @@ def required_flags(node: onnx.NodeProto) -> tuple[str, ...] | None:
             flags.append("gqa.head_sink")
         if _present(node, 14) or _present(node, 15):
             flags.append("gqa.qk_norm")
+        if a.get("k_quant_type", b"NONE") not in (b"NONE", "NONE"):
+            flags.append("gqa.kv_cache_int8")
         return tuple(flags)
     if op == ("", "Attention"):
         return ("attention", "attention_softcap") if a.get("softcap", 0.0) else ("attention",)

@@ -81,6 +81,13 @@ EMISSIONS: dict[str, tuple[Emission, ...]] = {
             attributes=("q_norm_epsilon", "k_norm_epsilon"),
         ),
     ),
+    "gqa.kv_cache_int8": (
+        Emission(
+            *_GQA,
+            inputs=((12, "k_scale"), (13, "v_scale")),
+            attributes=("k_quant_type", "v_quant_type", "kv_cache_bit_width"),
+        ),
+    ),
     "moe": (
         Emission(
             "com.microsoft",
@@ -344,6 +351,49 @@ def _gqa_case(
     return got, _bsd(_attend(q64, k64, v64, softcap, window, sinks))
 
 
+def _gqa_int8_cache_case(dtype, provider, past=3, new=2):
+    """Decode-style step over an int8 past with per-channel power-of-two scales: the past
+    dequantizes exactly and the new K/V are integers times the scales, so the float64
+    attention over ``int8 * scale`` is the exact answer, and the present must hold the past's
+    int8 values followed by the new tokens' (checked as part of the answer)."""
+    rng = np.random.default_rng(5)
+    t = _NP[dtype]
+    scales = [(2.0 ** -rng.integers(3, 7, (_KV, 1, _H))).astype(np.float32) for _ in "kv"]
+    ints = [rng.integers(-100, 100, (_B, _KV, past + new, _H)) for _ in "kv"]
+    k, v = ((i[:, :, past:] * s).astype(t) for i, s in zip(ints, scales, strict=True))
+    q = rng.standard_normal((_B, _N, new, _H)).astype(t)
+    feeds = {
+        "query": _bsd(q),
+        "key": _bsd(k),
+        "value": _bsd(v),
+        "past_k": ints[0][:, :, :past].astype(np.int8),
+        "past_v": ints[1][:, :, :past].astype(np.int8),
+        "seqlens_k": np.array([past + new - 1], np.int32),
+        "total": np.array(past + new, np.int32),
+        "k_scale": scales[0],
+        "v_scale": scales[1],
+    }
+    names = ["query", "key", "value", "past_k", "past_v", "seqlens_k", "total"]
+    names += [""] * 5 + ["k_scale", "v_scale"]
+    attrs = {"num_heads": _N, "kv_num_heads": _KV, "kv_cache_bit_width": 8}
+    attrs.update(k_quant_type="PER_CHANNEL", v_quant_type="PER_CHANNEL")
+    node = helper.make_node(
+        "GroupQueryAttention", names, ["y", "pk", "pv"], domain="com.microsoft", **attrs
+    )
+    to = helper.np_dtype_to_tensor_dtype(np.dtype(t))
+    casts = [helper.make_node("Cast", [n], [n + "_f"], to=to) for n in ("pk", "pv")]
+    y, pk, pv = _run([node, *casts], feeds, ["y", "pk_f", "pv_f"], provider)
+    kd, vd = (i * s.astype(np.float64) for i, s in zip(ints, scales, strict=True))
+    rep = _N // _KV
+    scores = q.astype(np.float64) @ np.repeat(kd, rep, 1).transpose(0, 1, 3, 2) / np.sqrt(_H)
+    i, j = np.arange(new)[:, None] + past, np.arange(past + new)[None]
+    scores = np.where(j <= i, scores, -np.inf)
+    p = np.exp(scores - scores.max(-1, keepdims=True))
+    ref = _bsd((p / p.sum(-1, keepdims=True)) @ np.repeat(vd, rep, 1))
+    got = np.concatenate([y.ravel(), pk.ravel(), pv.ravel()])
+    return got, np.concatenate([ref.ravel(), ints[0].ravel(), ints[1].ravel()])
+
+
 def _attention_case(dtype, provider, softcap=0.0):
     rng = np.random.default_rng(1)
     t = _NP[dtype]
@@ -469,6 +519,7 @@ KNOWN_ANSWERS: dict[str, Callable[[str, str], tuple[np.ndarray, np.ndarray]]] = 
     "gqa.packed_qkv": lambda d, p: _gqa_case(d, p, packed=True),
     "gqa.qk_norm": lambda d, p: _gqa_case(d, p, qk_norm=True),
     "gqa.head_sink": lambda d, p: _gqa_case(d, p, sink=True, window=3),
+    "gqa.kv_cache_int8": _gqa_int8_cache_case,
     "moe": _moe_case,
     "attention": lambda d, p: _attention_case(d, p),
     "attention_softcap": lambda d, p: _attention_case(d, p, softcap=2.0),

@@ -31,6 +31,9 @@ class GQASupport:
     """``q_norm_weight``/``k_norm_weight`` inputs are honoured."""
     head_sink: bool = False
     """The ``head_sink`` input (one softmax-denominator logit per head, GPT-OSS) is honoured."""
+    kv_cache_int8: bool = False
+    """An int8 past/present with per-channel float scales (``k_quant_type``/``v_quant_type``
+    PER_CHANNEL, ``kv_cache_bit_width`` 8, inputs 12/13), ``kv_cache="int8"``."""
     head_size_multiple: int = 1
     rotary_head_size_multiple: int = 1
     rotary_cache_width_multiple: int = 1

@@ -64,6 +64,7 @@ def optimize_with_report(
     require_fusion: bool = False,
     precision: str = "auto",
     int4: Int4Options | None = None,
+    kv_cache: str | None = None,
     model_max_positions: int | None = None,
 ):
     """Optimize and return ``(optimized_model, report)``.
@@ -73,6 +74,10 @@ def optimize_with_report(
     EP's record prefers (float16 for cuda, dml, webgpu, trt-rtx) and keeps it otherwise (cpu);
     an explicit dtype wins; ``int4`` quantizes MatMul weights (``int4``:
     :class:`~epfuse.optimizer.precision.Int4Options`, the genai builder's CPU defaults).
+    ``kv_cache="int8"`` (opt-in; default the compute dtype) types every GroupQueryAttention
+    past/present int8 with calibrated per-channel scales where the record has
+    ``gqa.kv_cache_int8`` (cpu; see :mod:`epfuse.optimizer.precision.kv_cache`), verified
+    against the float-cache model at the ``kv-int8`` tolerance.
     ``report.precision`` says what was chosen and why. With ``verify=True`` a converted or
     quantized model is verified against the unfused model converted the same way, and its
     drift from the float32 original is reported in ``report.precision["drift"]``.
@@ -131,6 +136,7 @@ def optimize_with_report(
         raise ModelTypeError(_model_type_message(model))
     dtype = model_dtype(source)
     plan = choose_precision(precision, record, dtype, int4)
+    kv_int8 = _check_kv_cache(kv_cache, record, plan.compute_dtype)
     if verify and plan.compute_dtype == "bfloat16":
         raise VerificationError(
             "cannot verify a bfloat16 model on ORT CPU (it has no bfloat16 MatMul kernel); "
@@ -203,6 +209,8 @@ def optimize_with_report(
             )
         report.assumptions.extend(probe_notes)
         report.warnings.extend(warnings)
+        if kv_int8:
+            _quantize_kv(work, report, max_seq_len)
         if validate_output:
             note = validate(work)
             if note:
@@ -214,12 +222,14 @@ def optimize_with_report(
         reference, tolerance, strict = original, None, False
         if plan.changes_numerics:
             reference = _reference(original, record, dtype, plan, max_seq_len)
-            tolerance = _plan_tolerance(plan)
+            tolerance = _plan_tolerance(plan, kv_int8)
             strict = plan.int4 is not None and plan.int4.accuracy_level == 4
         work, report = _verified(reference, work, report, run, skip_layers, tolerance, strict)
         if plan.changes_numerics:
             report.verification += f"; reference: the unfused model at {plan.name}"
             report.precision["drift"] = _drift(original, work, plan)
+        if kv_int8:
+            report.verification += "; int8 KV cache within the kv-int8 tolerance"
     if require_fusion:
         _require_fusion(report)
     work.metadata_props[METADATA_KEY] = report.to_json()
@@ -385,11 +395,48 @@ def _reference(
     return ir.to_proto(model)
 
 
-def _plan_tolerance(plan: PrecisionPlan):
-    from .tolerances import tolerance_for
+def _plan_tolerance(plan: PrecisionPlan, kv_int8: bool = False):
+    from .tolerances import Tolerance, tolerance_for
 
     int8 = plan.int4 is not None and plan.int4.accuracy_level == 4
-    return tolerance_for(plan.compute_dtype, "int4-int8-compute" if int8 else None)
+    tol = tolerance_for(plan.compute_dtype, "int4-int8-compute" if int8 else None)
+    if kv_int8:  # both roundings at once: their bounds add
+        kv = tolerance_for(plan.compute_dtype, "kv-int8")
+        tol = Tolerance(atol=tol.atol + kv.atol, rtol=tol.rtol + kv.rtol)
+    return tol
+
+
+def _check_kv_cache(kv_cache: str | None, record: EPCapabilities, dtype: str) -> bool:
+    """True for an int8 KV cache the record's GroupQueryAttention takes; a one-line error
+    for an unknown value or an EP/dtype without it."""
+    from .precision.kv_cache import normalize
+
+    try:
+        value = normalize(kv_cache)
+    except ValueError as err:
+        raise OptionError(str(err)) from None
+    if value is None:
+        return False
+    gqa = record.ops(dtype).gqa
+    if gqa is None or not gqa.kv_cache_int8:
+        what = "has no GroupQueryAttention" if gqa is None else "takes no int8 KV cache"
+        raise UnsupportedModelError(
+            f"kv_cache int8: {record.name}'s record {what} for {dtype} "
+            "(gqa.kv_cache_int8; use the default cache dtype)"
+        )
+    return True
+
+
+def _quantize_kv(work: ir.Model, report: Report, max_seq_len: int) -> None:
+    from .precision.kv_cache import quantize_kv_cache
+
+    summary = quantize_kv_cache(work, max_seq_len)
+    if not summary.layers:
+        why = "; ".join(summary.kept) or "no layer was fused into GroupQueryAttention"
+        raise UnsupportedModelError(
+            f"kv_cache int8: no GroupQueryAttention cache to quantize ({why})"
+        )
+    report.precision["kv_cache"] = summary.describe()
 
 
 def _float_compute(model: onnx.ModelProto) -> onnx.ModelProto:

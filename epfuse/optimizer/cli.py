@@ -1,7 +1,8 @@
 """The ``epfuse`` command line.
 
     epfuse optimize [IN] [-o OUT] [--ep EP] [--precision P] [--report FILE.json]
-                    [--max-seq-len N] [--verify] [--require-fusion] [--genai [--hf-config DIR]]
+                    [--kv-cache int8] [--max-seq-len N] [--verify] [--require-fusion]
+                    [--genai [--hf-config DIR]]
                     [--int4-block-size N] [--int4-asymmetric] [--int4-accuracy-level N]
                     [--int4-no-lm-head] [--int4-embeddings]
     epfuse verify ORIGINAL OPTIMIZED [--prompt-len N] [--scenario NAME ...] [--seed S]
@@ -170,6 +171,13 @@ def _parser() -> argparse.ArgumentParser:
         help=f"{', '.join(PRECISIONS)} (default auto: the dtype the EP's record prefers, e.g. "
         "fp16 for cuda, else the input's; int4: int4 MatMul weights)",
     )
+    opt.add_argument(
+        "--kv-cache",
+        default=None,
+        metavar="int8",
+        help="int8: GroupQueryAttention past/present in int8 with calibrated per-channel "
+        "scales, where the EP's record takes it (cpu); default the compute dtype",
+    )
     opt.add_argument("--report", help="also write the report as JSON to this file")
     opt.add_argument(
         "--max-seq-len",
@@ -270,6 +278,16 @@ def _precision_options(args: argparse.Namespace) -> tuple[str, Int4Options | Non
         raise UsageError(str(err)) from None
 
 
+def _kv_cache_option(args: argparse.Namespace) -> None:
+    """``--kv-cache``, checked (UsageError on an unknown value)."""
+    from epfuse.optimizer.precision.kv_cache import normalize
+
+    try:
+        args.kv_cache = normalize(args.kv_cache)
+    except ValueError as err:
+        raise UsageError(f"--kv-cache: {err}") from None
+
+
 def _output_path(args: argparse.Namespace, source: Path, suffix: str) -> Path:
     """-o as given; ending in a separator, a file named after the input inside that folder."""
     if args.output:
@@ -314,6 +332,7 @@ def _optimize(args: argparse.Namespace) -> int:
     record = get_ep(args.ep)  # fail on a bad EP before reading anything
     precision, int4 = _precision_options(args)
     args.precision_plan = (precision, int4)
+    _kv_cache_option(args)
     source = Path(args.input) if args.input else EXAMPLE_MODEL
     if args.hf_config and not args.genai:
         raise EpfuseError("--hf-config needs --genai")
@@ -337,6 +356,7 @@ def _optimize(args: argparse.Namespace) -> int:
         require_fusion=args.require_fusion,
         precision=args.precision_plan[0],
         int4=args.precision_plan[1],
+        kv_cache=args.kv_cache,
     )
     save_model(model, output, protected=protected)
     if args.report:
@@ -373,6 +393,7 @@ def _optimize_genai(args: argparse.Namespace, record, source: Path, protected) -
         require_fusion=args.require_fusion,
         precision=args.precision_plan[0],
         int4=args.precision_plan[1],
+        kv_cache=args.kv_cache,
         model_max_positions=(hf_text or {}).get("max_position_embeddings"),
     )
     made = not outdir.exists()

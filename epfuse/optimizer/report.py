@@ -90,7 +90,7 @@ class Report:
         if self.precision:
             p = self.precision
             lines.append(f"precision: {p.get('chosen')} ({p.get('reason')})")
-            for key in ("conversion", "quantization", "drift"):
+            for key in ("conversion", "quantization", "kv_cache", "drift"):
                 if p.get(key):
                     value = p[key]
                     text = value if isinstance(value, str) else value.get("summary", str(value))

@@ -28,7 +28,10 @@ def cpu_report():
 
 def test_builtin_records_agree_with_installed_ort(cpu_report):
     assert cpu_report.installed and not cpu_report.mismatches
-    assert len(cpu_report.observed) == 34  # 17 flags x float32/float16
+    assert len(cpu_report.observed) == 36  # 18 flags x float32/float16
+    # int8 past/present with per-channel scales: exact on power-of-two scales, both dtypes
+    assert cpu_report.observed[("float32", "gqa.kv_cache_int8")]
+    assert cpu_report.observed[("float16", "gqa.kv_cache_int8")]
     assert cpu_report.observed[("float32", "gqa.softcap")]
     assert cpu_report.observed[("float16", "gqa.head_sink")]  # GPT-OSS sinks, with a window
     assert cpu_report.observed[("float32", "moe")]  # interleaved, clamped SwiGLU experts
@@ -108,7 +111,7 @@ def test_optimize_trusts_the_probe_over_the_record():
 def test_cli_probe(capsys):
     assert main(["capabilities", "--ep", "cpu", "--probe"]) == 0
     out = capsys.readouterr().out
-    assert "cpu: schema checked; 34 known-answer runs" in out
+    assert "cpu: schema checked; 36 known-answer runs" in out
     assert "record agrees" in out
 
 

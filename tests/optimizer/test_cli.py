@@ -93,9 +93,28 @@ def test_low_precision_verify_end_to_end(tmp_path, example_model, capsys, precis
     assert json.loads(stored["epfuse.report"])["verification"].startswith("passed")
 
 
+def test_kv_cache_int8_verify(tmp_path, example_model, capsys):
+    out_path = tmp_path / "o.onnx"
+    argv = ["optimize", str(example_model), "-o", str(out_path), "--kv-cache", "int8"]
+    assert main([*argv, "--verify"]) == 0
+    out = capsys.readouterr().out
+    assert "kv_cache: int8 KV cache on 2 layer(s)" in out
+    assert "int8 KV cache within the kv-int8 tolerance" in out
+    model = onnx.load(str(out_path))
+    past = [v for v in model.graph.input if "past" in v.name]
+    assert {v.type.tensor_type.elem_type for v in past} == {onnx.TensorProto.INT8}
+
+
+def test_kv_cache_int8_on_an_ep_without_it_is_one_line(tmp_path, example_model, capsys):
+    argv = ["optimize", str(example_model), "-o", str(tmp_path / "o.onnx"), "--ep", "cuda"]
+    err = _bad(tmp_path, capsys, [*argv, "--kv-cache", "int8"])
+    assert "kv_cache int8: cuda's record takes no int8 KV cache for float16" in err
+
+
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
+        (["--kv-cache", "int4"], "--kv-cache: unknown kv_cache 'int4'"),
         (["--precision", "fp8"], "--precision: unknown precision 'fp8'"),
         (["--int4-block-size", "64"], "--int4-* options need --precision int4"),
         (["--precision", "int4", "--int4-block-size", "48"], "power of two"),

@@ -102,7 +102,13 @@ class _Runner:
         session_options: ort.SessionOptions | None,
         position_streams: PositionStreams | None = None,
     ):
-        proto = _to_proto(model)
+        from epfuse.optimizer.precision.kv_cache import float_cache_boundary
+
+        # An int8 KV cache is fed and read in the compute dtype (quantized with the model's
+        # own scales at the boundary), so both models take the same past.
+        source = _to_proto(model)
+        proto = float_cache_boundary(source)
+        self.int8_cache = proto is not source
         self.io = discover_io(proto)
         self.position_streams = position_streams or text_positions
         proto = _float32_boundary(proto)
@@ -326,6 +332,8 @@ class Comparator:
             )
             return
         ref, opt = self.ref, self.opt
+        if tolerance is None and opt.int8_cache and not ref.int8_cache:
+            self.tolerance = tolerance_for(ref.io.dtype, "kv-int8")
         if len(ref.io.kv) != len(opt.io.kv):
             raise ValueError(
                 f"original has {len(ref.io.kv)} past/present pairs, optimized has {len(opt.io.kv)}"

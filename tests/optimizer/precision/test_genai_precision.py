@@ -1,4 +1,4 @@
-"""fp16 and int4 models package for onnxruntime-genai (its config has no dtype field: genai
+"""fp16, int4 and int8-KV-cache models package for onnxruntime-genai (its config has no dtype field: genai
 reads the I/O types from the model) and generate there what the model itself computes."""
 
 import numpy as np
@@ -18,7 +18,8 @@ def _ort_greedy(path, prompt, n):
     """Greedy tokens of the model in a plain ORT loop (past in the model's own dtype)."""
     session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     pasts = [i for i in session.get_inputs() if "past" in i.name]
-    dtype = np.float16 if pasts[0].type == "tensor(float16)" else np.float32
+    dtypes = {"tensor(float16)": np.float16, "tensor(int8)": np.int8}
+    dtype = dtypes.get(pasts[0].type, np.float32)
     feed_past = {i.name: np.zeros((1, i.shape[1], 0, i.shape[3]), dtype) for i in pasts}
     presents = [o.name for o in session.get_outputs() if "present" in o.name]
     ids, total, tokens = np.array([prompt], np.int64), len(prompt), []
@@ -36,12 +37,16 @@ def _ort_greedy(path, prompt, n):
     return tokens
 
 
-@pytest.mark.parametrize("precision", ["fp16", "int4"])
-def test_package_generates_in_genai(example_model, tmp_path, precision):
+@pytest.mark.parametrize(
+    ("precision", "kv_cache"), [("fp16", None), ("int4", None), ("fp32", "int8"), ("int4", "int8")]
+)
+def test_package_generates_in_genai(example_model, tmp_path, precision, kv_cache):
+    """kv_cache int8: genai allocates the shared buffer in the past's dtype (int8) and the
+    scales are initializers, so the package runs as is."""
     model, report = epfuse.optimize_with_report(
-        example_model, "cpu", precision=precision, max_seq_len=128
+        example_model, "cpu", precision=precision, max_seq_len=128, kv_cache=kv_cache
     )
-    package = write_genai_package(model, report, tmp_path / precision)
+    package = write_genai_package(model, report, tmp_path / f"{precision}-{kv_cache}")
     assert package.share_buffer
     og_model = og.Model(str(package.directory))
     params = og.GeneratorParams(og_model)
