@@ -11,6 +11,7 @@ from .canonicalize.rms_norm import DecomposedRMSNormToRMSNormalization
 from .canonicalize.rope_caches import RopeCosSinToCaches
 from .canonicalize.rotate_half import RotateHalfToRotaryEmbedding
 from .canonicalize.sdpa import DecomposedAttentionToAttention
+from .canonicalize.shape_of_same_shape import ShapeOfSameShapeOp
 from .canonicalize.split_rotary import SplitHalvesToRotaryEmbedding
 from .legalize.expand import ExpandAttention, ExpandRMSNormalization, ExpandRotaryEmbedding
 from .legalize.skip_norm import SkipSimplifiedToAddRMSNorm
@@ -37,6 +38,7 @@ RULES: tuple[Rule, ...] = (
     PartialRotaryToRotaryDim(),
     RemoveRepeatKV(),
     KVConcatToAttentionPast(),
+    ShapeOfSameShapeOp(),
     MRopeLowering(),
     AttentionToGQA(),
     QKNormIntoGQA(),

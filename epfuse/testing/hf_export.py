@@ -248,23 +248,37 @@ def export_hf_decoder(
     seed: int = 0,
     initializer_range: float | None = None,
     dtype: str = "float32",
+    dynamo: bool = True,
 ) -> Path:
     """Export a random-weight decoder built from ``config`` to a single ONNX file at ``path``.
 
     Weights are seeded with ``seed`` (see :func:`hf_reference` for the same model in torch).
     ``initializer_range`` defaults to ``1/sqrt(hidden_size)``. ``dtype`` (``float32``,
     ``float16`` or ``bfloat16``) is the dtype of the weights, KV cache and logits; the weights
-    are the float32 ones of the same seed, rounded. Returns the written path.
+    are the float32 ones of the same seed, rounded. ``dynamo=False`` uses torch.onnx's
+    TorchScript exporter (a traced graph, ``dynamic_axes``; the exporter Optimum drives) with the
+    same interface. Returns the written path.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     model, config = _build_model(config, seed, initializer_range, dtype)
     wrapper = _make_wrapper(model, _kv_dims(config)[0])
-    return _export(wrapper, path, config, seed, opset, dtype, mrope=False)
+    return _export(wrapper, path, config, seed, opset, dtype, mrope=False, dynamo=dynamo)
 
 
-def _export(wrapper, path: Path, config, seed: int, opset: int, dtype: str, *, mrope: bool) -> Path:
-    """torch.onnx (dynamo) export of a flat-cache wrapper with dynamic batch/seq/past."""
+def _export(
+    wrapper,
+    path: Path,
+    config,
+    seed: int,
+    opset: int,
+    dtype: str,
+    *,
+    mrope: bool,
+    dynamo: bool = True,
+) -> Path:
+    """torch.onnx export of a flat-cache wrapper with dynamic batch/seq/past (dynamo, or the
+    TorchScript exporter when ``dynamo`` is false)."""
     import torch
 
     num_layers, num_kv, head_dim = _kv_dims(config)
@@ -293,17 +307,35 @@ def _export(wrapper, path: Path, config, seed: int, opset: int, dtype: str, *, m
         position_dims,
         tuple({0: bd, 2: pd} for _ in range(2 * num_layers)),
     )
+    input_names = ["input_ids", "attention_mask", "position_ids", *past_input_names(num_layers)]
+    output_names = ["logits", *present_output_names(num_layers)]
+    if not dynamo:
+        # The TorchScript exporter takes named axes per input and output instead of Dims.
+        axes = {
+            name: {axis: dim.__name__ for axis, dim in dims.items()}
+            for name, dims in zip(input_names[:3], dynamic_shapes[:3], strict=True)
+        }
+        axes.update({name: {0: "batch", 2: "past"} for name in input_names[3:]})
+        axes["logits"] = {0: "batch", 1: "seq"}
+        axes.update({name: {0: "batch", 2: "total"} for name in output_names[1:]})
+        with _quiet(), torch.no_grad():
+            torch.onnx.export(
+                wrapper,
+                (input_ids, attention_mask, position_ids, *past),
+                str(path),
+                input_names=input_names,
+                output_names=output_names,
+                dynamic_axes=axes,
+                opset_version=opset,
+                dynamo=False,
+            )
+        return path
     with _quiet(), torch.no_grad():
         program = torch.onnx.export(
             wrapper,
             (input_ids, attention_mask, position_ids, *past),
-            input_names=[
-                "input_ids",
-                "attention_mask",
-                "position_ids",
-                *past_input_names(num_layers),
-            ],
-            output_names=["logits", *present_output_names(num_layers)],
+            input_names=input_names,
+            output_names=output_names,
             dynamic_shapes=dynamic_shapes,
             opset_version=opset,
             dynamo=True,

@@ -1,4 +1,5 @@
-"""The torch.onnx export of a tiny Hugging Face Llama matches the torch model it came from."""
+"""The torch.onnx exports (dynamo and TorchScript) of a tiny Hugging Face Llama match the torch
+model they came from, at lengths other than the traced ones."""
 
 from __future__ import annotations
 
@@ -27,10 +28,13 @@ ATOL = RTOL = 1e-4
 LAYERS, KV_HEADS, HEAD_DIM, VOCAB = 2, 2, 16, 256
 
 
-@pytest.fixture(scope="module")
-def exported(tmp_path_factory) -> str:
-    path = tmp_path_factory.mktemp("export") / "tiny-llama.onnx"
-    export_hf_decoder(tiny_llama_config(), path, opset=23, seed=0)
+@pytest.fixture(scope="module", params=["dynamo", "torchscript"])
+def exported(request, tmp_path_factory) -> str:
+    """The dynamo export at opset 23, and torch.onnx's TorchScript exporter (``dynamo=False``,
+    the one Optimum drives) at 14, its lowest opset with the ops a decoder needs."""
+    path = tmp_path_factory.mktemp("export") / f"tiny-llama-{request.param}.onnx"
+    dynamo = request.param == "dynamo"
+    export_hf_decoder(tiny_llama_config(), path, opset=23 if dynamo else 14, seed=0, dynamo=dynamo)
     return str(path)
 
 
@@ -59,7 +63,8 @@ def test_graph_interface(exported):
     assert not any(t.data_location == onnx.TensorProto.EXTERNAL for t in model.graph.initializer), (
         "single file, no external data"
     )
-    assert {o.domain: o.version for o in model.opset_import}[""] == 23
+    opset = 23 if exported.endswith("-dynamo.onnx") else 14
+    assert {o.domain: o.version for o in model.opset_import}[""] == opset
     assert [i.name for i in model.graph.input] == [
         "input_ids",
         "attention_mask",
@@ -115,6 +120,7 @@ def test_right_padded_prompt_matches_torch_on_valid_rows(session):
             _assert_close(got[b, :, :n], ref[b, :, :n], f"padded present row {b}")
 
 
+@pytest.mark.parametrize("exported", ["dynamo"], indirect=True)
 def test_bundled_example_is_this_export(exported):
     """scripts/make_example.py output: the bundled model computes exactly what a fresh one does."""
     result = compare_models(EXAMPLE_MODEL, exported)

@@ -1,7 +1,8 @@
-"""Real torch.onnx opset-18 exports of tiny Hugging Face Llama (fp32, fp16) and Gemma-2: the
-canonicalize rules lift them to Attention/RotaryEmbedding/RMSNormalization, and the unchanged
-GQA lowering fuses every layer on CPU; each result is checked for equivalence in all four
-scenarios."""
+"""Real torch.onnx opset-18 exports of tiny Hugging Face Llama (dynamo fp32 and fp16, and a
+direct TorchScript ``dynamo=False`` export with its traced Shape/Gather/Concat reshapes and
+``Where`` mask) and Gemma-2: the canonicalize rules lift them to
+Attention/RotaryEmbedding/RMSNormalization, and the unchanged GQA lowering fuses every layer on
+CPU; each result is checked for equivalence in all scenarios."""
 
 from __future__ import annotations
 
@@ -28,16 +29,19 @@ def _norms(ops: list[str]) -> int:
     return sum(ops.count(name) for name in NORMS)
 
 
-@pytest.fixture(scope="module", params=["float32", "float16"])
+@pytest.fixture(scope="module", params=["float32", "float16", "float32-torchscript"])
 def export18(request, tmp_path_factory) -> tuple[str, str]:
+    dtype, _, exporter = request.param.partition("-")
     path = tmp_path_factory.mktemp("llama18") / f"llama18-{request.param}.onnx"
-    export_hf_decoder(tiny_llama_config(), path, opset=18, dtype=request.param)
+    export_hf_decoder(
+        tiny_llama_config(), path, opset=18, dtype=dtype, dynamo=exporter != "torchscript"
+    )
     model = onnx.load(str(path))
     assert [(o.domain, o.version) for o in model.opset_import] == [("", 18)]
     ops = {n.op_type for n in model.graph.node}
     assert not ops & {"Attention", "RotaryEmbedding", "RMSNormalization"}  # really decomposed
     assert {"Softmax", "Neg", "Pow"} <= ops
-    return str(path), request.param
+    return str(path), dtype
 
 
 def test_cpu_fuses_every_layer_to_gqa_with_rotary(export18):
