@@ -136,14 +136,34 @@ class _Unprovable(Exception):
     pass
 
 
-def _float32_input(graph: ir.Graph, value: ir.Value) -> ir.Value:
-    """Feed a bfloat16 input as float32 (numpy has no bfloat16) and cast it inside."""
-    fed = ir.Value(name=value.name, type=ir.TensorType(ir.DataType.FLOAT), shape=value.shape)
-    value.name = f"{value.name}_bf16"
-    cast = ir.node("Cast", [fed], {"to": ir.DataType.BFLOAT16}, name=f"{fed.name}_to_bf16")
-    value.replace_all_uses_with(cast.outputs[0])
-    graph.insert_before(graph.node(0), cast)
-    return fed
+def float32_boundary(graph: ir.Graph) -> None:
+    """Make ``graph``'s bfloat16 inputs and outputs float32, with a Cast at the boundary
+    (numpy has no bfloat16); names stay. The output Cast is an exact widening; inputs are fed
+    bf16-representable values (presents of a bf16 model, integers), so their Cast is exact too.
+    """
+    for i, value in enumerate(list(graph.inputs)):
+        if value.dtype != ir.DataType.BFLOAT16:
+            continue
+        fed = ir.Value(name=value.name, type=ir.TensorType(ir.DataType.FLOAT), shape=value.shape)
+        value.name = f"{value.name}__epfuse_bf16"
+        cast = ir.node("Cast", [fed], {"to": ir.DataType.BFLOAT16}, name=f"{fed.name}_to_bf16")
+        value.replace_all_uses_with(cast.outputs[0])
+        if len(graph):
+            graph.insert_before(graph.node(0), cast)
+        else:
+            graph.append(cast)
+        graph.inputs[i] = fed
+    for i, out in enumerate(list(graph.outputs)):
+        if out.dtype != ir.DataType.BFLOAT16:
+            continue
+        name = out.name
+        out.name = f"{name}__epfuse_bf16"
+        cast = ir.node("Cast", [out], {"to": ir.DataType.FLOAT}, name=f"{name}_to_f32")
+        cast.outputs[0].name = name
+        cast.outputs[0].dtype = ir.DataType.FLOAT
+        cast.outputs[0].shape = out.shape
+        graph.append(cast)
+        graph.outputs[i] = cast.outputs[0]
 
 
 class SubgraphEvaluator:
@@ -159,21 +179,11 @@ class SubgraphEvaluator:
         sub = ir.convenience.extract(
             graph, list(graph.inputs if inputs is None else inputs), list(outputs)
         )
-        used = [
-            _float32_input(sub, v) if v.dtype == ir.DataType.BFLOAT16 else v
-            for v in sub.inputs
-            if v.uses()
-        ]
+        used = [v for v in sub.inputs if v.uses()]
         sub.inputs.clear()
         sub.inputs.extend(used)
-        for i, out in enumerate(list(sub.outputs)):
-            if out.dtype == ir.DataType.BFLOAT16:
-                # numpy has no bfloat16: hand results back as float32 (exact widening).
-                cast = ir.node("Cast", [out], {"to": ir.DataType.FLOAT}, name=f"epfuse_f32_{i}")
-                cast.outputs[0].name = f"{out.name}_as_f32"
-                sub.append(cast)
-                sub.outputs[i] = cast.outputs[0]
-        self.input_names = [v.name for v in used]
+        float32_boundary(sub)
+        self.input_names = [v.name for v in sub.inputs]
         opsets = dict(graph.opset_imports)
         model = ir.Model(sub, ir_version=10)
         model.opset_imports.update(opsets)

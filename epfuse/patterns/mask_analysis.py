@@ -27,7 +27,7 @@ import onnx_ir as ir
 
 from ._evaluate import SubgraphEvaluator, _Unprovable, value_dependencies
 from ._graph import attr, input_at
-from ._signature import probe_array
+from .analysis.signature import probe_array
 
 MASKED_BELOW = -1.0e4  # an additive mask entry at or below this counts as "masked"
 

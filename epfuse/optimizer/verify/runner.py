@@ -9,9 +9,11 @@ from typing import Any
 
 import numpy as np
 import onnx
+import onnx_ir as ir
 import onnxruntime as ort
 
 from epfuse.optimizer.tolerances import Tolerance, tolerance_for
+from epfuse.patterns._evaluate import float32_boundary
 
 from .comparison import (
     ScenarioResult,
@@ -30,7 +32,7 @@ from .feeds import (
     text_positions,
 )
 from .limits import check_length, default_lengths, read_limits
-from .roles import _elem_type, discover_io
+from .roles import discover_io
 from .scenarios import SCENARIOS, Scenario, _scenario_seed, builtin_scenarios
 
 ModelLike = str | os.PathLike | onnx.ModelProto | Any  # Any: an onnx_ir.Model
@@ -46,50 +48,11 @@ def _to_proto(model: ModelLike) -> onnx.ModelProto:
         return model
     if isinstance(model, (str, os.PathLike)):
         return onnx.load(str(model))
-    # An onnx_ir.Model (duck-typed so that this module does not need onnx_ir).
-    import onnx_ir as ir
-
     if isinstance(model, ir.Model):
         # ORT gets the model as bytes, so external weights are read into memory (in place).
         ir.external_data.load_to_model(model)
         return ir.serde.serialize_model(model)
     raise TypeError(f"expected a path, onnx.ModelProto or onnx_ir.Model, got {type(model)}")
-
-
-def _float32_boundary(model: onnx.ModelProto) -> onnx.ModelProto:
-    """Copy of ``model`` whose bfloat16 graph inputs/outputs are float32 (numpy has no bf16).
-
-    A Cast at the boundary is exact for outputs; inputs are fed with bf16-representable values
-    (presents of the original model, or integers), so the Cast back is exact too.
-    """
-    bf16 = onnx.TensorProto.BFLOAT16
-    boundary = [vi for vi in [*model.graph.input, *model.graph.output] if _elem_type(vi) == bf16]
-    if not boundary:
-        return model
-    model = onnx.ModelProto.FromString(model.SerializeToString())
-    graph = model.graph
-    renames = {vi.name: vi.name + "__epfuse_bf16" for vi in boundary}
-    for node in graph.node:
-        node.input[:] = [renames.get(n, n) for n in node.input]
-        node.output[:] = [renames.get(n, n) for n in node.output]
-    for vi in graph.value_info:
-        vi.name = renames.get(vi.name, vi.name)
-    casts_in = []
-    for vi in graph.input:
-        if vi.name in renames:
-            casts_in.append(onnx.helper.make_node("Cast", [vi.name], [renames[vi.name]], to=bf16))
-            vi.type.tensor_type.elem_type = onnx.TensorProto.FLOAT
-    for vi in graph.output:
-        if vi.name in renames:
-            graph.node.append(
-                onnx.helper.make_node(
-                    "Cast", [renames[vi.name]], [vi.name], to=onnx.TensorProto.FLOAT
-                )
-            )
-            vi.type.tensor_type.elem_type = onnx.TensorProto.FLOAT
-    for node in reversed(casts_in):
-        graph.node.insert(0, node)
-    return model
 
 
 class _Runner:
@@ -109,9 +72,14 @@ class _Runner:
         source = _to_proto(model)
         proto = float_cache_boundary(source)
         self.int8_cache = proto is not source
-        self.io = discover_io(proto)
+        converted = ir.from_proto(proto)  # once: the roles and the boundary read it
+        self.io = discover_io(converted)
         self.position_streams = position_streams or text_positions
-        proto = _float32_boundary(proto)
+        boundary = [*converted.graph.inputs, *converted.graph.outputs]
+        if any(v.dtype == ir.DataType.BFLOAT16 for v in boundary):
+            # numpy has no bfloat16: feed and read float32, cast at the boundary (exact).
+            float32_boundary(converted.graph)
+            proto = ir.to_proto(converted)
         self.proto = proto
         if session_options is None:
             # FATAL only: a failing kernel's error comes back as the exception, which the

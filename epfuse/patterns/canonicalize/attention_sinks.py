@@ -48,8 +48,8 @@ from .._graph import (
     replace_value,
 )
 from .._opset import require_default_opset
-from .._signature import probe_array
 from ..analysis.head_counts import axis_size, record_heads
+from ..analysis.signature import probe_array
 from ..base import Kept, RewriteContext, Rewritten, Rule, Stage
 from .sdpa import (
     AttentionMatch,

@@ -24,7 +24,7 @@ import onnx_ir as ir
 
 from .._evaluate import SubgraphEvaluator, _Unprovable, value_dependencies
 from .._graph import Builder, attr, const_array, const_ints, const_scalar, input_at, producer
-from .._signature import probe_array
+from ..analysis.signature import probe_array
 from ..base import Kept, RewriteContext, Rewritten, Rule, Stage
 
 

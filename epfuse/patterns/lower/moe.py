@@ -53,7 +53,7 @@ from .._graph import (
     remove_dead,
     replace_value,
 )
-from .._signature import probe_array
+from ..analysis.signature import probe_array
 from ..base import Kept, RewriteContext, Rewritten, Rule, Stage
 
 _NOISE = ("Squeeze", "Unsqueeze", "Identity")

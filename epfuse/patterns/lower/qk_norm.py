@@ -25,7 +25,7 @@ import onnx_ir as ir
 from .._evaluate import SubgraphEvaluator
 from .._graph import attr, input_at
 from .._layout import last_dim
-from .._signature import probe_array
+from ..analysis.signature import probe_array
 from ..base import Kept, RewriteContext, Rewritten, Rule, Stage
 
 _LAYOUT = ("Reshape", "Transpose")

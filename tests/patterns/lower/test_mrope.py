@@ -14,7 +14,7 @@ from model_builder import DecoderConfig, build_decoder, image_positions, mrope_s
 import epfuse
 from epfuse.capabilities import DTYPES, all_eps, get_ep
 from epfuse.optimizer.verify import assert_equivalent, compare_models
-from epfuse.patterns._signature import probe_array
+from epfuse.patterns.analysis.signature import probe_array
 from epfuse.patterns.lower.mrope import INTERLEAVED, SECTIONED, interleaved_streams, layout_of
 
 # Long enough that text follows the image in every scenario (image tokens are 2..7).
