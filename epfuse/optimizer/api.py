@@ -20,6 +20,7 @@ from epfuse.errors import (
     VerificationError,
 )
 from epfuse.patterns import OptimizeOptions
+from epfuse.patterns.analysis.signature import DecoderSignature
 
 from .io import load_model
 from .manager import SKIPPED_REASON, PassManager, RewriteFailure
@@ -584,16 +585,15 @@ def read_report(model: onnx.ModelProto | ir.Model) -> Report | None:
 
 
 def model_dtype(model: ir.Model) -> str:
-    """The activation dtype: that of the KV-cache inputs, else the first float output."""
-    candidates = [v for v in model.graph.inputs if v.shape is not None and len(v.shape) == 4]
-    candidates += list(model.graph.outputs)
-    for value in candidates:
-        if value.dtype is None:
-            continue
-        if value.dtype in _DTYPE_NAMES:
-            return _DTYPE_NAMES[value.dtype]
-        if value.dtype.is_floating_point():
-            raise UnsupportedModelError(
-                f"unsupported dtype {value.dtype.name.lower()} (epfuse handles {', '.join(DTYPES)})"
-            )
-    raise UnsupportedModelError("cannot tell the model's float dtype from its inputs or outputs")
+    """The compute dtype :class:`DecoderSignature` reads: of the KV-cache inputs, else of
+    the logits, else of the first float output."""
+    dtype = DecoderSignature.of(model).dtype
+    if dtype is None:
+        raise UnsupportedModelError(
+            "cannot tell the model's float dtype from its inputs or outputs"
+        )
+    if dtype not in _DTYPE_NAMES:
+        raise UnsupportedModelError(
+            f"unsupported dtype {dtype.name.lower()} (epfuse handles {', '.join(DTYPES)})"
+        )
+    return _DTYPE_NAMES[dtype]

@@ -29,6 +29,7 @@ import onnx_ir as ir
 from epfuse.capabilities import EPCapabilities, get_ep
 from epfuse.errors import ConfigError, OutputError, UnsupportedModelError
 from epfuse.patterns.analysis.head_counts import HeadCounts, attention_heads
+from epfuse.patterns.analysis.signature import DecoderSignature
 
 from .io import check_output, reason, save_model, write_text
 from .report import Report
@@ -89,50 +90,43 @@ class GenaiPackage:
     copied: list[str]
 
 
-def _template(names: list[str], kind: str) -> tuple[str, int]:
-    """The ``%d`` name template of one KV kind (``past_key`` ...) and the number of layers."""
-    word = "key" if kind.endswith("key") else "value"
-    prefix = "past" if kind.startswith("past") else "present"
-    candidates: dict[str, list[int]] = {}
-    for name in names:
-        low = name.lower()
-        # past_key_values.0.key (torch.onnx, HF) or past_key_0 / present.key.0 styles.
-        named = word in re.split(r"[./]", low) or re.fullmatch(
-            rf"{prefix}[._]?{word}s?[._]?\d+", low
-        )
-        if not low.startswith(prefix) or not named:
-            continue
-        numbers = list(re.finditer(r"\d+", name))
-        if len(numbers) != 1:
-            continue
-        number = numbers[0]
-        template = name[: number.start()] + "%d" + name[number.end() :]
-        candidates.setdefault(template, []).append(int(number.group()))
-    if len(candidates) != 1:
-        found = ", ".join(sorted(candidates)) or "none"
+def _template(names: list[str], what: str) -> str:
+    """The ``%d`` template that writes ``names[i]`` from layer ``i`` (genai's config names
+    each cache kind by one template)."""
+    common: set[str] | None = None
+    for layer, name in enumerate(names):
+        found = {
+            name[: m.start()] + "%d" + name[m.end() :]
+            for m in re.finditer(r"\d+", name)
+            if int(m.group()) == layer
+        }
+        common = found if common is None else common & found
+    if not common or len(common) != 1:
         raise UnsupportedModelError(
-            f"cannot find one {prefix} {word} name template with a layer number (found: {found})"
+            f"cannot find one {what} name template with the layer number "
+            f"(names: {', '.join(names[:4])}{', ...' if len(names) > 4 else ''})"
         )
-    template, layers = next(iter(candidates.items()))
-    if sorted(layers) != list(range(len(layers))):
-        raise UnsupportedModelError(f"{template}: layer numbers are not 0..{len(layers) - 1}")
-    return template, len(layers)
+    return next(iter(common))
 
 
-def kv_names(model: ir.Model) -> KVNames:
-    """The past/present name templates genai needs (``past_key_values.%d.key`` ...)."""
-    inputs = [v.name for v in model.graph.inputs if v.name]
-    outputs = [v.name for v in model.graph.outputs if v.name]
-    pk, n1 = _template(inputs, "past_key")
-    pv, n2 = _template(inputs, "past_value")
-    ck, n3 = _template(outputs, "present_key")
-    cv, n4 = _template(outputs, "present_value")
-    if len({n1, n2, n3, n4}) != 1:
+def kv_names(model: ir.Model, signature: DecoderSignature | None = None) -> KVNames:
+    """The past/present name templates genai needs (``past_key_values.%d.key`` ...), for the
+    caches :class:`DecoderSignature` finds (by consumer, not by name) in layer order."""
+    sig = signature or DecoderSignature.of(model)
+    layers = sig.layers
+    if not layers:
         raise UnsupportedModelError(
-            f"past/present counts differ: {n1} past keys, {n2} past values, "
-            f"{n3} present keys, {n4} present values"
+            f"cannot pair the {len(sig.cache)} past inputs into per-layer keys and values"
         )
-    return KVNames(pk, pv, ck, cv, n1)
+    if any(c.present is None for pair in layers for c in pair):
+        raise UnsupportedModelError("a past input has no present output")
+    columns = {
+        "past key": [k.past.name for k, _ in layers],
+        "past value": [v.past.name for _, v in layers],
+        "present key": [k.present.name for k, _ in layers],
+        "present value": [v.present.name for _, v in layers],
+    }
+    return KVNames(*(_template(names, what) for what, names in columns.items()), len(layers))
 
 
 def share_buffer_blocker(model: ir.Model, names: KVNames | None = None) -> str | None:
@@ -218,11 +212,8 @@ def check_hf_config(hf_config_dir: str | Path) -> dict[str, Any]:
     return text
 
 
-def _embedding_width(graph: ir.Graph) -> int | None:
-    """Hidden size from the token embedding: a Gather of a 2-D constant by ``input_ids``."""
-    ids = next((v for v in graph.inputs if v.name == "input_ids"), None)
-    if ids is None:
-        return None
+def _embedding_width(ids: ir.Value) -> int | None:
+    """Hidden size from the token embedding: a Gather of a 2-D constant by the token ids."""
     for user, _ in ids.uses():
         if user.op_type == "Gather" and user.inputs[0] is not None:
             table = user.inputs[0].const_value
@@ -267,7 +258,8 @@ def genai_config(
     """
     record = get_ep(ep)
     graph = model.graph
-    names = kv_names(model)
+    sig = DecoderSignature.of(model)
+    names = kv_names(model, sig)
     blocker = share_buffer_blocker(model, names)
     if share_buffer and blocker:
         raise UnsupportedModelError(f"past and present cannot share one buffer: {blocker}")
@@ -279,21 +271,22 @@ def genai_config(
         check_hf_config(hf_config_dir)
     gen = _read_json(Path(hf_config_dir) / "generation_config.json") if hf_config_dir else {}
 
-    inputs = {v.name for v in graph.inputs}
     io_inputs: dict[str, str] = {}
-    for key in ("input_ids", "attention_mask", "position_ids"):
-        if key in inputs:
-            io_inputs[key] = key
-    if "input_ids" not in io_inputs:
+    if sig.tokens is None or sig.token_kind != "ids":
         raise UnsupportedModelError("the model has no input_ids input")
+    io_inputs["input_ids"] = sig.tokens.name
+    if sig.attention_mask is not None:
+        io_inputs["attention_mask"] = sig.attention_mask.name
+    if sig.position_ids is not None:
+        io_inputs["position_ids"] = sig.position_ids.name
     io_inputs["past_key_names"] = names.past_key
     io_inputs["past_value_names"] = names.past_value
-    output_names = [v.name for v in graph.outputs]
-    if "logits" not in output_names:
+    if sig.logits is None:
         raise UnsupportedModelError("the model has no logits output")
+    logits = sig.logits
 
-    past = next(v for v in graph.inputs if v.name == names.past_key % 0)
-    kv_heads, head_size = _dim(past, 1), _dim(past, 3)
+    first_key = sig.layers[0][0]
+    kv_heads, head_size = first_key.num_heads, first_key.head_size
     gqa = [n for n in graph if (n.domain, n.op_type) == _GQA]
     heads = graph_heads = None
     if gqa:
@@ -311,21 +304,20 @@ def genai_config(
         raise UnsupportedModelError(
             "cannot tell head counts and head size from the graph (pass hf_config_dir)"
         )
-    logits = next(v for v in graph.outputs if v.name == "logits")
     if hf_config_dir:
         _check_against_graph(
             str(Path(hf_config_dir) / "config.json"),
             text,
             {
                 "num_attention_heads": graph_heads,
-                "num_key_value_heads": _dim(past, 1),
-                "head_dim": _dim(past, 3),
+                "num_key_value_heads": first_key.num_heads,
+                "head_dim": first_key.head_size,
                 "num_hidden_layers": names.num_layers,
-                "vocab_size": _dim(logits, 2),
-                "hidden_size": _embedding_width(graph),
+                "vocab_size": sig.vocab_size,
+                "hidden_size": _embedding_width(sig.tokens),
             },
         )
-    vocab = _dim(logits, 2) or text.get("vocab_size")
+    vocab = sig.vocab_size or text.get("vocab_size")
 
     context = _context_length(gqa, report, text)
 
@@ -355,7 +347,7 @@ def genai_config(
                 "hidden_size": int(text.get("hidden_size") or heads * head_size),
                 "inputs": io_inputs,
                 "outputs": {
-                    "logits": "logits",
+                    "logits": logits.name,
                     "present_key_names": names.present_key,
                     "present_value_names": names.present_value,
                 },

@@ -39,8 +39,8 @@ _CACHE_SLOTS = {
 }
 
 
-def _dims(value: ir.Value) -> list[int | str | None] | None:
-    if value.shape is None:
+def _dims(value: ir.Value | None) -> list[int | str | None] | None:
+    if value is None or value.shape is None:
         return None
     return [d if isinstance(d, int) else (d.value if d.value else None) for d in value.shape]
 
@@ -244,7 +244,7 @@ def _signature(graph: ir.Graph) -> DecoderSignature:
             tokens, token_kind = embeds[0], "embeds"
             hidden = _static(_dims(tokens), 2)
 
-    seq_dim = (_dims(tokens) or [None, None])[1] if token_kind == "ids" else None
+    seq_dim = (_dims(tokens) or [None, None])[1] if tokens is not None else None
     mask = positions = None
     for v in ints2:
         if v is tokens:
