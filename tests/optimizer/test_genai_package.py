@@ -41,6 +41,25 @@ def test_name_templates_of_a_torch_onnx_export(fused):
     assert names.num_layers == 2
 
 
+def test_name_templates_follow_the_graph_not_the_words(fused):
+    """Keys and values are told apart by the GroupQueryAttention slot that reads them: names
+    without a key/value word (and listed values first) still give the right templates."""
+    model = ir.from_proto(ir.to_proto(fused[0]))
+    renames = {}
+    for i in range(2):
+        renames[f"past_key_values.{i}.key"] = f"cache_b_{i}"  # 'b' for the key, 'a' for the value
+        renames[f"past_key_values.{i}.value"] = f"cache_a_{i}"
+        renames[f"present.{i}.key"] = f"state_b_{i}"
+        renames[f"present.{i}.value"] = f"state_a_{i}"
+    for value in [*model.graph.inputs, *model.graph.outputs]:
+        value.name = renames.get(value.name, value.name)
+    names = kv_names(model)
+    assert (names.past_key, names.past_value) == ("cache_b_%d", "cache_a_%d")
+    assert (names.present_key, names.present_value) == ("state_b_%d", "state_a_%d")
+    assert names.num_layers == 2
+    assert share_buffer_blocker(model, names) is None
+
+
 def test_fused_graph_reads_the_past_only_through_gqa(fused):
     """After fusion the mask subgraph (which read Shape(past)) is gone: sharing is safe."""
     model = fused[0]
