@@ -286,15 +286,16 @@ def _gib(n: float) -> str:
 def model_max_positions(model: ir.Model) -> int | None:
     """The model's own maximum position, where the graph states one: rows of constant cos/sin
     caches of a RotaryEmbedding or GroupQueryAttention, or of a position-embedding table
-    gathered by ``position_ids``."""
+    gathered by the position input."""
     rows = []
+    positions = DecoderSignature.of(model).position_ids
     for node in model.graph:
         if node.op_type == "RotaryEmbedding":
             caches = node.inputs[1:3] if node.domain in ("", "ai.onnx") else node.inputs[2:4]
         elif node.op_type == "GroupQueryAttention":
             caches = node.inputs[7:9]
         elif node.op_type == "Gather" and len(node.inputs) > 1 and node.inputs[1] is not None:
-            caches = [node.inputs[0]] if node.inputs[1].name == "position_ids" else []
+            caches = [node.inputs[0]] if node.inputs[1] is positions else []
         else:
             continue
         for value in caches:

@@ -27,6 +27,8 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
+from epfuse.patterns.analysis.signature import DecoderSignature
+
 from . import Int4Options
 
 CHUNK_BYTES = 32 << 20
@@ -96,7 +98,7 @@ def _float_weight(value: ir.Value | None) -> bool:
 
 def _lm_head(graph: ir.Graph) -> ir.Node | None:
     """The MatMul whose result is the logits output (through shape-only ops)."""
-    logits = next((v for v in graph.outputs if v.name == "logits"), None)
+    logits = DecoderSignature.of(graph).logits
     if logits is None and graph.outputs:
         logits = graph.outputs[0]
     node = logits.producer() if logits is not None else None
