@@ -119,10 +119,9 @@ def discover_io(model: onnx.ModelProto | ir.Model) -> ModelIO:
             KVSpec(c.past.name, c.present.name if c.present else "", c.num_heads, c.head_size)
         )
 
-    dtype_value = sig.cache[0].past if sig.cache else sig.logits
-    dtype = _FLOAT_TYPES.get(dtype_value.dtype)
+    dtype = _FLOAT_TYPES.get(sig.dtype)
     if dtype is None:
-        raise ValueError(f"{dtype_value.name} has unsupported element type {dtype_value.dtype}")
+        raise ValueError(f"unsupported compute dtype {sig.dtype} (of the past inputs or logits)")
 
     def np_type(value: ir.Value | None) -> Any:
         if value is None:
