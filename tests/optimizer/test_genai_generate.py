@@ -7,6 +7,10 @@ present) equals ``transformers`` ``generate`` token for token, for one prompt an
 of two prompts of different lengths. The batch is right-padded, which is what genai's own
 ``Tokenizer.encode_batch`` produces (checked below) and what GroupQueryAttention's contract
 (``seqlens_k``) expects; each row is compared with HF generating that prompt alone.
+
+The same holds for Hugging Face Optimum exports (TorchScript exporter, Optimum's default
+opset) of Llama and Mistral: those parameters are marked ``optimum`` and run in the optimum
+venv, where ``transformers`` is the 4.57 release Optimum exported from.
 """
 
 from __future__ import annotations
@@ -92,7 +96,14 @@ class Family:
     model: object  # og.Model, loaded once
 
 
-@pytest.fixture(scope="module", params=[f"{n}@{opset}" for n in FAMILIES for opset in (23, 18)])
+OPTIMUM = "optimum"  # in place of an opset: exported with Optimum at its default opset
+
+
+@pytest.fixture(
+    scope="module",
+    params=[f"{n}@{opset}" for n in FAMILIES for opset in (23, 18)]
+    + [pytest.param(f"{n}@{OPTIMUM}", marks=pytest.mark.optimum) for n in ("llama", "mistral-sw8")],
+)
 def family(request, tmp_path_factory) -> Family:
     from transformers import GenerationConfig
 
@@ -100,7 +111,12 @@ def family(request, tmp_path_factory) -> Family:
     seed = FAMILIES[name]
     root = tmp_path_factory.mktemp(f"genai-{name}-{opset}")
     config = _config(name)
-    plain = export_hf_decoder(config, root / "plain.onnx", opset=int(opset), seed=seed)
+    if opset == OPTIMUM:
+        from epfuse.testing.optimum_export import export_optimum_decoder
+
+        plain = export_optimum_decoder(config, root / "optimum", seed=seed)
+    else:
+        plain = export_hf_decoder(config, root / "plain.onnx", opset=int(opset), seed=seed)
     hf_dir = root / "hf"
     config.save_pretrained(str(hf_dir))
     GenerationConfig(bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD).save_pretrained(
