@@ -94,6 +94,28 @@ def replace_value(old: ir.Value, new: ir.Value) -> None:
     old.replace_all_uses_with(new, replace_graph_outputs=True)
 
 
+def substitute(
+    graph: ir.Graph,
+    old_nodes: Sequence[ir.Node],
+    new_node: ir.Node,
+    replaced: Sequence[tuple[ir.Value, ir.Value]],
+) -> None:
+    """Put ``new_node`` in the place of ``old_nodes``, right after ``old_nodes[-1]`` (the
+    anchor, whose outputs' readers all come later): each ``(old, new)`` value pair hands over
+    its name, type, shape and every use, graph outputs included, so the model's signature and
+    the value names users see do not change. The replace tail every single-node rewrite shares
+    (onnx-ir's ``replace_all_uses_with`` re-points the uses)."""
+    for old, new in replaced:
+        new.type = old.type if old.type is not None else new.type
+        new.shape = old.shape if old.shape is not None else new.shape
+        name, old.name = old.name, None  # names stay unique in the graph
+        new.name = name
+    olds, news = [old for old, _ in replaced], [new for _, new in replaced]
+    ir.convenience.replace_all_uses_with(olds, news, replace_graph_outputs=True)
+    graph.insert_after(old_nodes[-1], new_node)
+    graph.remove(list(old_nodes), safe=True)
+
+
 def ensure_opset(model: ir.Model, domain: str, version: int) -> None:
     if domain not in model.opset_imports:
         model.opset_imports[domain] = version

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
-from .._graph import attr, const_ints, dim, input_at, producer, replace_value
+from .._graph import attr, const_ints, dim, input_at, producer, substitute
 from ..base import Kept, RewriteContext, Rewritten, Rule, Stage
 
 
@@ -82,14 +82,8 @@ class PartialRotaryToRotaryDim(Rule):
             name=f"{rope.name or 'rotary'}/partial",
             metadata_props=dict(rope.metadata_props),
         )
-        ctx.graph.insert_before(node, full)
-        out = full.outputs[0]
-        old = node.outputs[0]
-        out.shape, out.type = old.shape, old.type
-        out.name = f"{full.name}/output"
-        replace_value(old, out)
         dead = [node]
         if not rotated.uses() or all(u.node is node for u in rotated.uses()):
-            dead.append(rope)
-        ctx.graph.remove(dead, safe=True)
+            dead.insert(0, rope)
+        substitute(ctx.graph, dead, full, [(node.outputs[0], full.outputs[0])])
         return Rewritten(f"partial rotary on {rotary_dim} of {head_size} channels")

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
-from .._graph import attr, input_at, replace_value
+from .._graph import attr, input_at, substitute
 from ..base import Kept, RewriteContext, Rewritten, Rule, Stage
 from ._common import missing, why
 
@@ -57,15 +57,8 @@ class SkipSimplifiedToAddRMSNorm(Rule):
             {"axis": -1, "epsilon": epsilon, "stash_type": 1},
             name=f"{base}/RMSNormalization",
         )
-        ctx.graph.insert_before(node, norm)
-        old_y = node.outputs[0]
-        old_sum = node.outputs[3] if len(node.outputs) > 3 else None
-        y = norm.outputs[0]
-        y.shape, y.type, y.name = old_y.shape, old_y.type, f"{norm.name}/output"
-        replace_value(old_y, y)
-        if old_sum is not None:
-            summed.shape, summed.type = old_sum.shape, old_sum.type
-            summed.name = f"{base}/input_skip_bias_sum"
-            replace_value(old_sum, summed)
-        ctx.graph.remove(node, safe=True)
+        replaced = [(node.outputs[0], norm.outputs[0])]
+        if len(node.outputs) > 3:
+            replaced.append((node.outputs[3], summed))
+        substitute(ctx.graph, [node], norm, replaced)
         return Rewritten(f"{reason}: SkipSimplifiedLayerNormalization -> Add + RMSNormalization")

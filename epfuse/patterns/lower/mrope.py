@@ -27,7 +27,7 @@ import numpy as np
 import onnx_ir as ir
 
 from .._evaluate import SubgraphEvaluator, _Unprovable, value_dependencies
-from .._graph import Builder, attr, const_array, ensure_opset, input_at, replace_value
+from .._graph import Builder, attr, const_array, ensure_opset, input_at, substitute
 from ..base import Kept, RewriteContext, Rewritten, Rule, Stage
 
 SECTIONED, INTERLEAVED = 0, 1
@@ -327,12 +327,7 @@ class MRopeLowering(Rule):
             name=f"{node.name or 'rope'}/MRotaryEmbedding",
             metadata_props=dict(node.metadata_props),
         )
-        ctx.graph.insert_before(node, fused)
-        out = node.outputs[0]
-        fused.outputs[0].shape, fused.outputs[0].type = out.shape, out.type
-        fused.outputs[0].name = f"{fused.name}/output"
-        replace_value(out, fused.outputs[0])
-        ctx.graph.remove(node, safe=True)
+        substitute(ctx.graph, [node], fused, [(node.outputs[0], fused.outputs[0])])
         return Rewritten(f"{mrope.describe()} -> MRotaryEmbedding")
 
 

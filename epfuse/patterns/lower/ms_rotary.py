@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
-from .._graph import attr, ensure_opset, input_at, replace_value
+from .._graph import attr, ensure_opset, input_at, substitute
 from .._layout import last_dim
 from ..analysis.head_counts import axis_size
 from ..base import Kept, RewriteContext, Rewritten, Rule, Stage
@@ -88,12 +88,7 @@ class OnnxRotaryToContrib(Rule):
             domain="com.microsoft",
             name=f"{node.name or 'rotary'}/ms_RotaryEmbedding",
         )
-        ctx.graph.insert_before(node, new)
-        out = new.outputs[0]
-        out.shape, out.type = node.outputs[0].shape, node.outputs[0].type
-        out.name = f"{new.name}/output"
-        replace_value(node.outputs[0], out)
-        ctx.graph.remove(node, safe=True)
+        substitute(ctx.graph, [node], new, [(node.outputs[0], new.outputs[0])])
         kind = "interleaved" if interleaved else "half-split"
         partial = f", partial {rotary_dim}/{head_size}" if rotary_dim != head_size else ""
         return Rewritten(f"RotaryEmbedding -> com.microsoft::RotaryEmbedding ({kind}{partial})")

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
-from .._graph import attr, dim, ensure_opset, input_at, producer, replace_value
+from .._graph import attr, dim, ensure_opset, input_at, producer, substitute
 from ..base import Kept, RewriteContext, Rewritten, Rule, Stage
 
 _ONNX_DEFAULT_EPS = 1e-5
@@ -104,17 +104,8 @@ class _SkipNormFusion(Rule):
             num_outputs=4,
             name=f"{node.name or self.fused_op}/{self.fused_op}",
         )
-        ctx.graph.insert_before(node, fused)
         y, _, _, summed = fused.outputs
-        old_y, old_sum = node.outputs[0], add.outputs[0]
-        y.shape, y.type = old_y.shape, old_y.type
-        summed.shape, summed.type = old_sum.shape, old_sum.type
-        y.name = f"{fused.name}/output"
-        summed.name = f"{fused.name}/input_skip_bias_sum"
-        replace_value(old_y, y)
-        replace_value(old_sum, summed)
-        ctx.graph.remove(node, safe=True)
-        ctx.graph.remove(add, safe=True)
+        substitute(ctx.graph, [add, node], fused, [(node.outputs[0], y), (add.outputs[0], summed)])
         return Rewritten(f"residual Add + {node.op_type} -> {self.fused_op}")
 
 
@@ -167,12 +158,7 @@ class _RenameNorm(Rule):
             attributes,
             name=f"{node.name or self.target}/{self.target}",
         )
-        ctx.graph.insert_before(node, new)
-        out = new.outputs[0]
-        out.shape, out.type = node.outputs[0].shape, node.outputs[0].type
-        out.name = f"{new.name}/output"
-        replace_value(node.outputs[0], out)
-        ctx.graph.remove(node, safe=True)
+        substitute(ctx.graph, [node], new, [(node.outputs[0], new.outputs[0])])
         return Rewritten(f"{node.op_type} -> {self.target}")
 
 
