@@ -1,7 +1,8 @@
 """Does a model contain only what a capability record allows? A structural check.
 
-:func:`required_flags` maps one node to the record flags it needs (``"gqa"``,
-``"gqa.softcap"``, ``"ms_rotary_embedding"``, ...); :func:`missing_flags` says which of them
+:func:`required_flags` maps one node to the capabilities it needs (members of the emission
+table ``emissions.Capability``: ``GQA``, ``GQA_SOFTCAP``, ``MS_ROTARY_EMBEDDING``, ...);
+:func:`missing_flags` says which of them
 a record lacks (the optimizer's legalization stage and its final check both ask it), and
 :func:`violations` checks every node of a model against ``record.ops(dtype)``. An optimized
 model has none. With ``original``, nodes whose op and flags already occur in that model come
@@ -22,6 +23,7 @@ from typing import Any
 import onnx
 from onnx import numpy_helper
 
+from .emissions import Capability
 from .records import EPCapabilities
 
 _GENERIC_VENDOR_OK: frozenset[str] = frozenset()
@@ -36,62 +38,69 @@ def _present(node: onnx.NodeProto, index: int) -> bool:
     return index < len(node.input) and bool(node.input[index])
 
 
-def required_flags(node: onnx.NodeProto) -> tuple[str, ...] | None:
-    """The record flags ``node`` needs; None for an ordinary ONNX op no flag governs."""
+_BY_OP: dict[tuple[str, str], Capability] = {
+    ("", "RotaryEmbedding"): Capability.ROTARY_EMBEDDING,
+    ("com.microsoft", "RotaryEmbedding"): Capability.MS_ROTARY_EMBEDDING,
+    ("com.microsoft", "MRotaryEmbedding"): Capability.MROTARY_EMBEDDING,
+    ("", "RMSNormalization"): Capability.RMS_NORMALIZATION,
+    ("", "SimplifiedLayerNormalization"): Capability.SIMPLIFIED_LAYER_NORM,
+    ("com.microsoft", "SkipSimplifiedLayerNormalization"): Capability.SKIP_SIMPLIFIED_LAYER_NORM,
+    ("com.microsoft", "SkipLayerNormalization"): Capability.SKIP_LAYER_NORM,
+    ("com.microsoft", "MatMulNBits"): Capability.MATMUL_NBITS,
+    ("com.microsoft", "GatherBlockQuantized"): Capability.GATHER_BLOCK_QUANTIZED,
+    ("com.microsoft", "MoE"): Capability.MOE,
+}
+"""Ops that need exactly one capability whatever their attributes (GQA and Attention read
+theirs in :func:`required_flags`)."""
+
+
+def required_flags(node: onnx.NodeProto) -> tuple[Capability | str, ...] | None:
+    """The capabilities ``node`` needs; None for an ordinary ONNX op no capability governs.
+
+    A vendor op no capability governs needs ``"vendor op <domain>::<op>"``, which no record
+    allows.
+    """
     domain = "" if node.domain in ("", "ai.onnx") else node.domain
     op = (domain, node.op_type)
     a = _attrs(node)
     if op == ("com.microsoft", "GroupQueryAttention"):
-        flags = ["gqa"]
+        flags = [Capability.GQA]
         if a.get("do_rotary", 0):
-            flags += ["gqa.fused_rotary", "gqa.rotary_position_ids"]
+            flags += [Capability.GQA_FUSED_ROTARY, Capability.GQA_ROTARY_POSITION_IDS]
             if a.get("rotary_interleaved", 0):
-                flags.append("gqa.interleaved_rotary")
+                flags.append(Capability.GQA_INTERLEAVED_ROTARY)
         if a.get("softcap", 0.0):
-            flags.append("gqa.softcap")
+            flags.append(Capability.GQA_SOFTCAP)
         if a.get("local_window_size", -1) not in (-1, None):
-            flags.append("gqa.local_window")
+            flags.append(Capability.GQA_LOCAL_WINDOW)
         if not _present(node, 1) and not _present(node, 2):
-            flags.append("gqa.packed_qkv")
+            flags.append(Capability.GQA_PACKED_QKV)
         if _present(node, 10):
-            flags.append("gqa.attention_bias")
+            flags.append(Capability.GQA_ATTENTION_BIAS)
         if _present(node, 11):
-            flags.append("gqa.head_sink")
+            flags.append(Capability.GQA_HEAD_SINK)
         if _present(node, 14) or _present(node, 15):
-            flags.append("gqa.qk_norm")
+            flags.append(Capability.GQA_QK_NORM)
         if a.get("k_quant_type", b"NONE") not in (b"NONE", "NONE"):
-            flags.append("gqa.kv_cache_int8")
+            flags.append(Capability.GQA_KV_CACHE_INT8)
         return tuple(flags)
     if op == ("", "Attention"):
-        return ("attention", "attention_softcap") if a.get("softcap", 0.0) else ("attention",)
-    table = {
-        ("", "RotaryEmbedding"): "rotary_embedding",
-        ("com.microsoft", "RotaryEmbedding"): "ms_rotary_embedding",
-        ("com.microsoft", "MRotaryEmbedding"): "mrotary_embedding",
-        ("", "RMSNormalization"): "rms_normalization",
-        ("", "SimplifiedLayerNormalization"): "simplified_layer_norm",
-        ("com.microsoft", "SkipSimplifiedLayerNormalization"): "skip_simplified_layer_norm",
-        ("com.microsoft", "SkipLayerNormalization"): "skip_layer_norm",
-        ("com.microsoft", "MatMulNBits"): "matmul_nbits",
-        ("com.microsoft", "GatherBlockQuantized"): "gather_block_quantized",
-        ("com.microsoft", "MoE"): "moe",
-    }
-    if op in table:
-        return (table[op],)
+        if a.get("softcap", 0.0):
+            return (Capability.ATTENTION, Capability.ATTENTION_SOFTCAP)
+        return (Capability.ATTENTION,)
+    if op in _BY_OP:
+        return (_BY_OP[op],)
     if domain and node.op_type not in _GENERIC_VENDOR_OK:
         return (f"vendor op {domain}::{node.op_type}",)  # no record flag allows it
     return None
 
 
-def flag_allowed(record: EPCapabilities, dtype: str, flag: str) -> bool:
-    ops = record.ops(dtype)
-    if flag.startswith("vendor op "):
+def flag_allowed(record: EPCapabilities, dtype: str, flag: Capability | str) -> bool:
+    """Does ``record`` allow ``flag`` for ``dtype``? A string that names no capability (an
+    ungoverned vendor op) never is."""
+    if not isinstance(flag, Capability):
         return False
-    if flag.startswith("gqa."):
-        return ops.gqa is not None and bool(getattr(ops.gqa, flag[4:]))
-    if flag == "gqa":
-        return ops.gqa is not None
-    return bool(getattr(ops, flag))
+    return flag.supported_by(record.ops(dtype))
 
 
 def missing_flags(node: onnx.NodeProto, record: EPCapabilities, dtype: str) -> list[str]:
@@ -103,7 +112,7 @@ def missing_flags(node: onnx.NodeProto, record: EPCapabilities, dtype: str) -> l
     signature = _signature(node)
     if signature is None:
         return []
-    missing = [f for f in signature[2] if not flag_allowed(record, dtype, f)]
+    missing = [str(f) for f in signature[2] if not flag_allowed(record, dtype, f)]
     if not record.vendor_ops and signature[0]:
         missing.append("vendor_ops")
     gqa = record.ops(dtype).gqa
@@ -127,7 +136,7 @@ class Conformance:
     """How often each flag was needed."""
 
 
-def _signature(node: onnx.NodeProto) -> tuple[str, str, tuple[str, ...]] | None:
+def _signature(node: onnx.NodeProto) -> tuple[str, str, tuple[Capability | str, ...]] | None:
     flags = required_flags(node)
     if flags is None:
         return None

@@ -1,14 +1,13 @@
-"""Check the capability records against the installed ONNX Runtime.
+"""Check the capability records against the installed ONNX Runtime: the probe runner.
 
-Two checks, per record and dtype:
+Two checks, per record and dtype, over every member of ``emissions.Capability``:
 
-1. **Schema**: every op, input and attribute epfuse may emit for a flag the record turns on
-   exists in the installed ORT's schema set (``get_all_operator_schema``), with the dtype in
-   the op's type constraint. A record that promises what this ORT cannot even load is wrong.
-2. **Known answers** (only for EPs present in the installed build; here that is the CPU EP):
-   a tiny model per fused op and feature is run on the EP alone (``session.disable_cpu_ep_
-   fallback`` for non-CPU EPs, so a silent fallback shows up as a failure) and compared with a
-   float64 numpy reference at the dtype's tolerance. A flag the record turns on that fails, or
+1. **Schema** (``capabilities.schema``): every op, input and attribute epfuse may emit for a
+   capability the record turns on exists in the installed ORT's schema set, with the dtype in
+   the op's type constraint.
+2. **Known answers** (``capabilities.known_answers``; only for EPs present in the installed
+   build, here the CPU EP): a tiny model per fused op and feature runs on the EP alone and is
+   compared with a float64 numpy reference. A capability the record turns on that fails, or
    one it turns off that passes, is a mismatch.
 
 :func:`probed_record` derives a record that trusts the probe over the static data
@@ -18,540 +17,13 @@ Two checks, per record and dtype:
 from __future__ import annotations
 
 import dataclasses
-import functools
-from collections.abc import Callable
 
-import numpy as np
 import onnxruntime as ort
-from onnx import helper
 
-from epfuse.optimizer.tolerances import tolerance_for
-
-from .conformance import flag_allowed
+from .emissions import EMISSIONS, Capability, Emission
+from .known_answers import _NP, KNOWN_ANSWERS, known_answer
 from .records import DTYPES, EPCapabilities, GQASupport, OpSupport
-
-
-@dataclasses.dataclass(frozen=True)
-class Emission:
-    """What epfuse emits for one flag: an op with named inputs/outputs and attributes."""
-
-    domain: str
-    op_type: str
-    inputs: tuple[tuple[int, str], ...] = ()
-    outputs: tuple[tuple[int, str], ...] = ()
-    attributes: tuple[str, ...] = ()
-
-
-_GQA = ("com.microsoft", "GroupQueryAttention")
-EMISSIONS: dict[str, tuple[Emission, ...]] = {
-    "gqa": (
-        Emission(
-            *_GQA,
-            inputs=(
-                (0, "query"),
-                (1, "key"),
-                (2, "value"),
-                (3, "past_key"),
-                (4, "past_value"),
-                (5, "seqlens_k"),
-                (6, "total_sequence_length"),
-            ),
-            outputs=((1, "present_key"), (2, "present_value")),
-            attributes=("num_heads", "kv_num_heads", "scale", "do_rotary"),
-        ),
-    ),
-    "gqa.fused_rotary": (
-        Emission(
-            *_GQA,
-            inputs=((7, "cos_cache"), (8, "sin_cache")),
-            attributes=("do_rotary", "rotary_interleaved"),
-        ),
-    ),
-    "gqa.rotary_position_ids": (Emission(*_GQA, inputs=((9, "position_ids"),)),),
-    "gqa.interleaved_rotary": (Emission(*_GQA, attributes=("rotary_interleaved",)),),
-    "gqa.softcap": (Emission(*_GQA, attributes=("softcap",)),),
-    "gqa.local_window": (Emission(*_GQA, attributes=("local_window_size",)),),
-    "gqa.packed_qkv": (Emission(*_GQA, inputs=((0, "query"),)),),
-    "gqa.attention_bias": (Emission(*_GQA, inputs=((10, "attention_bias"),)),),
-    "gqa.head_sink": (Emission(*_GQA, inputs=((11, "head_sink"),)),),
-    "gqa.qk_norm": (
-        Emission(
-            *_GQA,
-            inputs=((14, "q_norm_weight"), (15, "k_norm_weight")),
-            attributes=("q_norm_epsilon", "k_norm_epsilon"),
-        ),
-    ),
-    "gqa.kv_cache_int8": (
-        Emission(
-            *_GQA,
-            inputs=((12, "k_scale"), (13, "v_scale")),
-            attributes=("k_quant_type", "v_quant_type", "kv_cache_bit_width"),
-        ),
-    ),
-    "moe": (
-        Emission(
-            "com.microsoft",
-            "MoE",
-            inputs=(
-                (0, "input"),
-                (1, "router_probs"),
-                (2, "fc1_experts_weights"),
-                (3, "fc1_experts_bias"),
-                (4, "fc2_experts_weights"),
-                (5, "fc2_experts_bias"),
-            ),
-            attributes=(
-                "k",
-                "activation_type",
-                "swiglu_fusion",
-                "activation_alpha",
-                "activation_beta",
-                "swiglu_limit",
-                "normalize_routing_weights",
-            ),
-        ),
-    ),
-    "attention": (
-        Emission("", "Attention", attributes=("q_num_heads", "kv_num_heads", "scale", "is_causal")),
-    ),
-    "attention_softcap": (Emission("", "Attention", attributes=("softcap",)),),
-    "rotary_embedding": (
-        Emission(
-            "", "RotaryEmbedding", attributes=("interleaved", "num_heads", "rotary_embedding_dim")
-        ),
-    ),
-    "ms_rotary_embedding": (
-        Emission(
-            "com.microsoft",
-            "RotaryEmbedding",
-            inputs=((0, "input"), (1, "position_ids"), (2, "cos_cache"), (3, "sin_cache")),
-            attributes=("interleaved", "num_heads", "rotary_embedding_dim"),
-        ),
-    ),
-    "mrotary_embedding": (
-        Emission("com.microsoft", "MRotaryEmbedding", attributes=("mrope_section",)),
-    ),
-    "rms_normalization": (
-        Emission("", "RMSNormalization", attributes=("axis", "epsilon", "stash_type")),
-    ),
-    "simplified_layer_norm": (
-        Emission("", "SimplifiedLayerNormalization", attributes=("axis", "epsilon", "stash_type")),
-    ),
-    "skip_simplified_layer_norm": (
-        Emission(
-            "com.microsoft",
-            "SkipSimplifiedLayerNormalization",
-            outputs=((3, "input_skip_bias_sum"),),
-            attributes=("epsilon",),
-        ),
-    ),
-    "skip_layer_norm": (
-        Emission(
-            "com.microsoft",
-            "SkipLayerNormalization",
-            outputs=((3, "input_skip_bias_sum"),),
-            attributes=("epsilon",),
-        ),
-    ),
-    "matmul_nbits": (
-        Emission(
-            "com.microsoft",
-            "MatMulNBits",
-            inputs=((0, "A"), (1, "B"), (2, "scales"), (3, "zero_points")),
-            attributes=("K", "N", "bits", "block_size", "accuracy_level"),
-        ),
-    ),
-}
-_TYPE_NAMES = {
-    "float32": "tensor(float)",
-    "float16": "tensor(float16)",
-    "bfloat16": "tensor(bfloat16)",
-}
-
-
-@functools.cache
-def _schemas() -> dict[tuple[str, str], object]:
-    from onnxruntime.capi.onnxruntime_pybind11_state import get_all_operator_schema
-
-    latest: dict[tuple[str, str], object] = {}
-    for schema in get_all_operator_schema():
-        key = (schema.domain, schema.name)
-        if key not in latest or schema.since_version > latest[key].since_version:
-            latest[key] = schema
-    return latest
-
-
-def schema_mismatches(flag: str, dtype: str) -> list[str]:
-    """Why ``flag``'s emissions for ``dtype`` are not in the installed ORT schema set."""
-    problems = []
-    for e in EMISSIONS.get(flag, ()):
-        schema = _schemas().get((e.domain, e.op_type))
-        name = f"{e.domain or 'ai.onnx'}::{e.op_type}"
-        if schema is None:
-            problems.append(f"{flag}: {name} is not an op of onnxruntime {ort.__version__}")
-            continue
-        for index, expected in e.inputs:
-            got = schema.inputs[index].name if index < len(schema.inputs) else None
-            if got != expected:
-                problems.append(f"{flag}: {name} input {index} is {got!r}, not {expected!r}")
-        for index, expected in e.outputs:
-            got = schema.outputs[index].name if index < len(schema.outputs) else None
-            if got != expected:
-                problems.append(f"{flag}: {name} output {index} is {got!r}, not {expected!r}")
-        missing = [a for a in e.attributes if a not in schema.attributes]
-        if missing:
-            problems.append(f"{flag}: {name} has no attribute(s) {missing}")
-        first = schema.type_constraints[0] if schema.type_constraints else None
-        if first is not None and _TYPE_NAMES[dtype] not in first.allowed_type_strs:
-            problems.append(f"{flag}: {name} does not take {dtype}")
-    return problems
-
-
-# ------------------------------------------------------------------------ known answers
-
-_B, _S, _N, _KV, _H, _M = 1, 5, 2, 1, 16, 16
-_NP = {"float32": np.float32, "float16": np.float16}
-
-
-def _run(
-    nodes, inputs: dict[str, np.ndarray], outputs: list[str], provider: str, opset: int = 23
-) -> list[np.ndarray]:
-    vis = [
-        helper.make_tensor_value_info(k, helper.np_dtype_to_tensor_dtype(v.dtype), v.shape)
-        for k, v in inputs.items()
-    ]
-    floats = [v for v in inputs.values() if v.dtype.kind == "f"]
-    elem = helper.np_dtype_to_tensor_dtype(floats[0].dtype)
-    outs = [helper.make_tensor_value_info(name, elem, None) for name in outputs]
-    graph = helper.make_graph(nodes, "probe", vis, outs)
-    model = helper.make_model(
-        graph,
-        opset_imports=[helper.make_opsetid("", opset), helper.make_opsetid("com.microsoft", 1)],
-        ir_version=10,
-    )
-    options = ort.SessionOptions()
-    options.log_severity_level = 4
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    if provider != "CPUExecutionProvider":
-        options.add_session_config_entry("session.disable_cpu_ep_fallback", "1")
-    session = ort.InferenceSession(model.SerializeToString(), options, providers=[provider])
-    return session.run(outputs, inputs)
-
-
-def _rope(x: np.ndarray, pos: np.ndarray, interleaved: bool, rotary: int = _H) -> np.ndarray:
-    """x (B, heads, S, H) rotated at positions pos (S,), float64."""
-    inv = 1.0 / 10000 ** (np.arange(0, rotary, 2) / rotary)
-    ang = pos[:, None] * inv[None]
-    cos, sin = np.cos(ang), np.sin(ang)
-    rot, rest = x[..., :rotary], x[..., rotary:]
-    if interleaved:
-        a, b = rot[..., 0::2], rot[..., 1::2]
-        out = np.stack([a * cos - b * sin, b * cos + a * sin], -1).reshape(rot.shape)
-    else:
-        a, b = rot[..., : rotary // 2], rot[..., rotary // 2 :]
-        out = np.concatenate([a * cos - b * sin, b * cos + a * sin], -1)
-    return np.concatenate([out, rest], -1)
-
-
-def _attend(q, k, v, softcap=0.0, window=None, sink=None):
-    """Causal grouped attention on (B, heads, S, H) float64 arrays; ``sink`` (heads,) adds
-    ``exp(sink[h])`` to each softmax denominator (an extra, dropped score column)."""
-    rep = q.shape[1] // k.shape[1]
-    k, v = np.repeat(k, rep, 1), np.repeat(v, rep, 1)
-    scores = q @ k.transpose(0, 1, 3, 2) / np.sqrt(q.shape[-1])
-    if softcap:
-        scores = softcap * np.tanh(scores / softcap)
-    i, j = np.arange(q.shape[2])[:, None], np.arange(k.shape[2])[None]
-    allowed = j <= i
-    if window is not None:
-        allowed &= j > i - window
-    scores = np.where(allowed, scores, -np.inf)
-    if sink is not None:
-        column = np.broadcast_to(sink[None, :, None, None], (*scores.shape[:3], 1))
-        scores = np.concatenate([scores, column], -1)
-    p = np.exp(scores - scores.max(-1, keepdims=True))
-    p = p / p.sum(-1, keepdims=True)
-    return (p[..., : v.shape[2]] if sink is not None else p) @ v
-
-
-def _rms(x, w, eps):
-    return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * w
-
-
-def _bsd(x):  # (B, heads, S, H) -> (B, S, heads*H)
-    return x.transpose(0, 2, 1, 3).reshape(x.shape[0], x.shape[2], -1)
-
-
-def _gqa_case(
-    dtype,
-    provider,
-    *,
-    rotary=False,
-    interleaved=False,
-    softcap=0.0,
-    window=None,
-    packed=False,
-    qk_norm=False,
-    sink=False,
-):
-    rng = np.random.default_rng(0)
-    t = _NP[dtype]
-    q = rng.standard_normal((_B, _N, _S, _H)).astype(t)
-    k = rng.standard_normal((_B, _KV, _S, _H)).astype(t)
-    v = rng.standard_normal((_B, _KV, _S, _H)).astype(t)
-    q64, k64, v64 = (a.astype(np.float64) for a in (q, k, v))
-    feeds = {
-        "past_k": np.zeros((_B, _KV, 0, _H), t),
-        "past_v": np.zeros((_B, _KV, 0, _H), t),
-        "seqlens_k": np.array([_S - 1], np.int32),
-        "total": np.array(_S, np.int32),
-    }
-    if packed:
-        feeds["query"] = np.concatenate([_bsd(q), _bsd(k), _bsd(v)], -1)
-        names = ["query", "", ""]
-    else:
-        feeds.update(query=_bsd(q), key=_bsd(k), value=_bsd(v))
-        names = ["query", "key", "value"]
-    names += ["past_k", "past_v", "seqlens_k", "total"]
-    attrs = {"num_heads": _N, "kv_num_heads": _KV, "do_rotary": int(rotary)}
-    if qk_norm:
-        wq = (1 + 0.3 * rng.standard_normal(_H)).astype(t)
-        wk = (1 + 0.3 * rng.standard_normal(_H)).astype(t)
-        q64, k64 = _rms(q64, wq.astype(np.float64), 1e-6), _rms(k64, wk.astype(np.float64), 1e-6)
-        feeds.update(wq=wq, wk=wk)
-        attrs.update(q_norm_epsilon=1e-6, k_norm_epsilon=1e-6)
-    if rotary:
-        pos = np.arange(_S)
-        inv = 1.0 / 10000 ** (np.arange(0, _H, 2) / _H)
-        ang = np.arange(_M)[:, None] * inv[None]
-        feeds.update(
-            cos=np.cos(ang).astype(t),
-            sin=np.sin(ang).astype(t),
-            pos=np.arange(_S, dtype=np.int64)[None],
-        )
-        names += ["cos", "sin", "pos"]
-        attrs["rotary_interleaved"] = int(interleaved)
-        q64, k64 = _rope(q64, pos, interleaved), _rope(k64, pos, interleaved)
-    if qk_norm:
-        names += [""] * (14 - len(names)) + ["wq", "wk"]
-    sinks = None
-    if sink:
-        # One sink far above every score (it must not be assumed to lose the max) and one
-        # far below (a near no-op), as GPT-OSS's learned sinks span.
-        sinks = np.array([6.0, -4.0][:_N], t)
-        names += [""] * (11 - len(names)) + ["sink"]
-        feeds["sink"] = sinks
-        sinks = sinks.astype(np.float64)
-    if softcap:
-        attrs["softcap"] = softcap
-    if window is not None:
-        attrs["local_window_size"] = window
-    node = helper.make_node("GroupQueryAttention", names, ["y"], domain="com.microsoft", **attrs)
-    (got,) = _run([node], feeds, ["y"], provider)
-    return got, _bsd(_attend(q64, k64, v64, softcap, window, sinks))
-
-
-def _gqa_int8_cache_case(dtype, provider, past=3, new=2):
-    """Decode-style step over an int8 past with per-channel power-of-two scales: the past
-    dequantizes exactly and the new K/V are integers times the scales, so the float64
-    attention over ``int8 * scale`` is the exact answer, and the present must hold the past's
-    int8 values followed by the new tokens' (checked as part of the answer)."""
-    rng = np.random.default_rng(5)
-    t = _NP[dtype]
-    scales = [(2.0 ** -rng.integers(3, 7, (_KV, 1, _H))).astype(np.float32) for _ in "kv"]
-    ints = [rng.integers(-100, 100, (_B, _KV, past + new, _H)) for _ in "kv"]
-    k, v = ((i[:, :, past:] * s).astype(t) for i, s in zip(ints, scales, strict=True))
-    q = rng.standard_normal((_B, _N, new, _H)).astype(t)
-    feeds = {
-        "query": _bsd(q),
-        "key": _bsd(k),
-        "value": _bsd(v),
-        "past_k": ints[0][:, :, :past].astype(np.int8),
-        "past_v": ints[1][:, :, :past].astype(np.int8),
-        "seqlens_k": np.array([past + new - 1], np.int32),
-        "total": np.array(past + new, np.int32),
-        "k_scale": scales[0],
-        "v_scale": scales[1],
-    }
-    names = ["query", "key", "value", "past_k", "past_v", "seqlens_k", "total"]
-    names += [""] * 5 + ["k_scale", "v_scale"]
-    attrs = {"num_heads": _N, "kv_num_heads": _KV, "kv_cache_bit_width": 8}
-    attrs.update(k_quant_type="PER_CHANNEL", v_quant_type="PER_CHANNEL")
-    node = helper.make_node(
-        "GroupQueryAttention", names, ["y", "pk", "pv"], domain="com.microsoft", **attrs
-    )
-    to = helper.np_dtype_to_tensor_dtype(np.dtype(t))
-    casts = [helper.make_node("Cast", [n], [n + "_f"], to=to) for n in ("pk", "pv")]
-    y, pk, pv = _run([node, *casts], feeds, ["y", "pk_f", "pv_f"], provider)
-    kd, vd = (i * s.astype(np.float64) for i, s in zip(ints, scales, strict=True))
-    rep = _N // _KV
-    scores = q.astype(np.float64) @ np.repeat(kd, rep, 1).transpose(0, 1, 3, 2) / np.sqrt(_H)
-    i, j = np.arange(new)[:, None] + past, np.arange(past + new)[None]
-    scores = np.where(j <= i, scores, -np.inf)
-    p = np.exp(scores - scores.max(-1, keepdims=True))
-    ref = _bsd((p / p.sum(-1, keepdims=True)) @ np.repeat(vd, rep, 1))
-    got = np.concatenate([y.ravel(), pk.ravel(), pv.ravel()])
-    return got, np.concatenate([ref.ravel(), ints[0].ravel(), ints[1].ravel()])
-
-
-def _attention_case(dtype, provider, softcap=0.0):
-    rng = np.random.default_rng(1)
-    t = _NP[dtype]
-    q = rng.standard_normal((_B, _N, _S, _H)).astype(t)
-    k = rng.standard_normal((_B, _KV, _S, _H)).astype(t)
-    v = rng.standard_normal((_B, _KV, _S, _H)).astype(t)
-    attrs = {"is_causal": 1}
-    if softcap:
-        attrs["softcap"] = softcap
-    node = helper.make_node("Attention", ["q", "k", "v"], ["y"], **attrs)
-    (got,) = _run([node], {"q": q, "k": k, "v": v}, ["y"], provider)
-    ref = _attend(*(a.astype(np.float64) for a in (q, k, v)), softcap)
-    return got, ref
-
-
-def _rope_case(dtype, provider, contrib: bool):
-    rng = np.random.default_rng(2)
-    t = _NP[dtype]
-    rotary = _H // 2  # partial and interleaved: the features peers lose
-    x = rng.standard_normal((_B, _N, _S, _H)).astype(t)
-    pos = rng.integers(0, _M, (_B, _S))
-    inv = 1.0 / 10000 ** (np.arange(0, rotary, 2) / rotary)
-    ang = np.arange(_M)[:, None] * inv[None]
-    feeds = {"x": _bsd(x), "cos": np.cos(ang).astype(t), "sin": np.sin(ang).astype(t), "pos": pos}
-    attrs = {"interleaved": 1, "num_heads": _N, "rotary_embedding_dim": rotary}
-    if contrib:
-        node = helper.make_node(
-            "RotaryEmbedding", ["x", "pos", "cos", "sin"], ["y"], domain="com.microsoft", **attrs
-        )
-    else:
-        node = helper.make_node("RotaryEmbedding", ["x", "cos", "sin", "pos"], ["y"], **attrs)
-    (got,) = _run([node], feeds, ["y"], provider)
-    ref = np.stack(
-        [_rope(x[b : b + 1].astype(np.float64), pos[b], True, rotary)[0] for b in range(_B)]
-    )
-    return got, _bsd(ref)
-
-
-def _norm_case(dtype, provider, op: str):
-    rng = np.random.default_rng(3)
-    t = _NP[dtype]
-    x = rng.standard_normal((2, 3, 32)).astype(t)
-    skip = rng.standard_normal((2, 3, 32)).astype(t)
-    w = (1 + 0.2 * rng.standard_normal(32)).astype(t)
-    beta = (0.2 * rng.standard_normal(32)).astype(t)
-    eps = 1e-5
-    x64, s64, w64, b64 = (a.astype(np.float64) for a in (x, skip, w, beta))
-    if op in ("RMSNormalization", "SimplifiedLayerNormalization"):
-        node = helper.make_node(op, ["x", "w"], ["y"], axis=-1, epsilon=eps, stash_type=1)
-        (got,) = _run([node], {"x": x, "w": w}, ["y"], provider)
-        return got, _rms(x64, w64, eps)
-    total = x64 + s64
-    if op == "SkipSimplifiedLayerNormalization":
-        node = helper.make_node(
-            op, ["x", "skip", "w"], ["y", "", "", "sum"], domain="com.microsoft", epsilon=eps
-        )
-        y, summed = _run([node], {"x": x, "skip": skip, "w": w}, ["y", "sum"], provider)
-        ref = _rms(total, w64, eps)
-    else:
-        node = helper.make_node(
-            op,
-            ["x", "skip", "w", "beta"],
-            ["y", "", "", "sum"],
-            domain="com.microsoft",
-            epsilon=eps,
-        )
-        y, summed = _run(
-            [node], {"x": x, "skip": skip, "w": w, "beta": beta}, ["y", "sum"], provider
-        )
-        centred = total - total.mean(-1, keepdims=True)
-        ref = centred / np.sqrt((centred**2).mean(-1, keepdims=True) + eps) * w64 + b64
-    return np.concatenate([y.ravel(), summed.ravel()]), np.concatenate([ref.ravel(), total.ravel()])
-
-
-def _moe_case(dtype, provider):
-    """Interleaved SwiGLU experts with GPT-OSS's clamp (alpha 1.702, beta 1, limit 7 scaled
-    to these inputs), softmax over all experts, top 2, renormalized, biases on both layers."""
-    rng = np.random.default_rng(4)
-    t = _NP[dtype]
-    tokens, hidden, inter, experts, k, limit = 6, 16, 8, 4, 2, 0.8
-    x = rng.standard_normal((tokens, hidden)).astype(t)
-    logits = (2 * rng.standard_normal((tokens, experts))).astype(t)
-    fc1 = (rng.standard_normal((experts, 2 * inter, hidden)) / 3).astype(t)
-    b1 = (0.3 * rng.standard_normal((experts, 2 * inter))).astype(t)
-    fc2 = (rng.standard_normal((experts, hidden, inter)) / 3).astype(t)
-    b2 = (0.3 * rng.standard_normal((experts, hidden))).astype(t)
-    node = helper.make_node(
-        "MoE",
-        ["x", "r", "fc1", "b1", "fc2", "b2"],
-        ["y"],
-        domain="com.microsoft",
-        k=k,
-        activation_type="swiglu",
-        swiglu_fusion=1,
-        activation_alpha=1.702,
-        activation_beta=1.0,
-        swiglu_limit=limit,
-        normalize_routing_weights=1,
-    )
-    feeds = {"x": x, "r": logits, "fc1": fc1, "b1": b1, "fc2": fc2, "b2": b2}
-    (got,) = _run([node], feeds, ["y"], provider)
-    x64, l64 = x.astype(np.float64), logits.astype(np.float64)
-    probs = np.exp(l64 - l64.max(-1, keepdims=True))
-    probs /= probs.sum(-1, keepdims=True)
-    ref = np.zeros((tokens, hidden))
-    for i in range(tokens):
-        chosen = np.argsort(-probs[i], kind="stable")[:k]
-        weights = probs[i, chosen] / probs[i, chosen].sum()
-        for e, w in zip(chosen, weights, strict=True):
-            h = fc1[e].astype(np.float64) @ x64[i] + b1[e]
-            gate, up = np.minimum(h[0::2], limit), np.clip(h[1::2], -limit, limit)
-            act = (up + 1.0) * gate / (1.0 + np.exp(-1.702 * gate))
-            ref[i] += w * (fc2[e].astype(np.float64) @ act + b2[e])
-    return got, ref
-
-
-KNOWN_ANSWERS: dict[str, Callable[[str, str], tuple[np.ndarray, np.ndarray]]] = {
-    "gqa": lambda d, p: _gqa_case(d, p),
-    "gqa.fused_rotary": lambda d, p: _gqa_case(d, p, rotary=True),
-    "gqa.interleaved_rotary": lambda d, p: _gqa_case(d, p, rotary=True, interleaved=True),
-    "gqa.softcap": lambda d, p: _gqa_case(d, p, softcap=2.0),
-    "gqa.local_window": lambda d, p: _gqa_case(d, p, window=2),
-    "gqa.packed_qkv": lambda d, p: _gqa_case(d, p, packed=True),
-    "gqa.qk_norm": lambda d, p: _gqa_case(d, p, qk_norm=True),
-    "gqa.head_sink": lambda d, p: _gqa_case(d, p, sink=True, window=3),
-    "gqa.kv_cache_int8": _gqa_int8_cache_case,
-    "moe": _moe_case,
-    "attention": lambda d, p: _attention_case(d, p),
-    "attention_softcap": lambda d, p: _attention_case(d, p, softcap=2.0),
-    "rotary_embedding": lambda d, p: _rope_case(d, p, contrib=False),
-    "ms_rotary_embedding": lambda d, p: _rope_case(d, p, contrib=True),
-    "rms_normalization": lambda d, p: _norm_case(d, p, "RMSNormalization"),
-    "simplified_layer_norm": lambda d, p: _norm_case(d, p, "SimplifiedLayerNormalization"),
-    "skip_simplified_layer_norm": lambda d, p: _norm_case(d, p, "SkipSimplifiedLayerNormalization"),
-    "skip_layer_norm": lambda d, p: _norm_case(d, p, "SkipLayerNormalization"),
-}
-"""Flags with a known-answer run (mrotary_embedding and gqa.attention_bias are schema-only;
-gqa.rotary_position_ids is covered by the fused-rotary run's explicit position_ids)."""
-
-
-def known_answer(flag: str, dtype: str, provider: str) -> str | None:
-    """None when ``flag`` computes the right answer for ``dtype`` on ``provider``, else why not."""
-    tol = tolerance_for(dtype)
-    try:
-        got, ref = KNOWN_ANSWERS[flag](dtype, provider)
-    except Exception as err:
-        line = (str(err).strip().splitlines() or [type(err).__name__])[0]
-        return f"fails to run: {line[:200]}"
-    got = np.asarray(got, dtype=np.float64)
-    if got.shape != ref.shape:
-        return f"wrong shape {got.shape}, expected {ref.shape}"
-    err = np.abs(got - ref)
-    if not np.all(err <= tol.atol + tol.rtol * np.abs(ref)):
-        return f"wrong answer (max |error| {float(err.max()):.3g})"
-    return None
-
-
-# ------------------------------------------------------------------------ probing a record
+from .schema import schema_mismatches
 
 
 @dataclasses.dataclass
@@ -574,27 +46,23 @@ class ProbeReport:
         return "\n".join(lines)
 
 
-def _flags() -> list[str]:
-    return list(EMISSIONS)
-
-
 def probe(record: EPCapabilities) -> ProbeReport:
     installed = record.provider is not None and record.provider in ort.get_available_providers()
     report = ProbeReport(record.name, installed)
     for dtype in record.dtypes:
-        for flag in _flags():
-            if flag_allowed(record, dtype, flag):
+        for flag in Capability:
+            if flag.supported_by(record.ops(dtype)):
                 for problem in schema_mismatches(flag, dtype):
                     report.schema.append(f"{dtype}: {problem}")
                     report.mismatches.append(f"{dtype} {problem}")
     if installed:
         for dtype in (d for d in DTYPES if d in _NP and d in record.dtypes):
             for flag in KNOWN_ANSWERS:
-                if flag.startswith("gqa.") and record.ops(dtype).gqa is None:
+                if flag.on_gqa and record.ops(dtype).gqa is None:
                     continue
                 why = known_answer(flag, dtype, record.provider)
                 report.observed[(dtype, flag)] = why is None
-                claimed = flag_allowed(record, dtype, flag)
+                claimed = flag.supported_by(record.ops(dtype))
                 if claimed and why is not None:
                     report.mismatches.append(f"{dtype} {flag}: record says yes, but it {why}")
                 elif not claimed and why is None:
@@ -603,29 +71,30 @@ def probe(record: EPCapabilities) -> ProbeReport:
 
 
 def probed_record(record: EPCapabilities, report: ProbeReport | None = None) -> EPCapabilities:
-    """``record`` with every flag the probe decided set to the probe's answer."""
+    """``record`` with every capability the probe decided set to the probe's answer."""
     report = report or probe(record)
     bad_schema = {line.split(":")[1].strip() for line in report.schema}
     dtypes = {}
     for dtype, ops in record.dtypes.items():
         updates: dict[str, object] = {}
         gqa_updates: dict[str, bool] = {}
-        for flag in _flags():
+        for flag in Capability:
             value = report.observed.get((dtype, flag))
             if flag in bad_schema:
                 value = False
             if value is None:
                 continue
-            if flag.startswith("gqa."):
-                gqa_updates[flag[4:]] = value
-            elif flag != "gqa":
-                updates[flag] = value
+            if flag.on_gqa:
+                gqa_updates[flag.field] = value
+            elif flag is not Capability.GQA:
+                updates[flag.field] = value
         gqa = ops.gqa
-        if report.observed.get((dtype, "gqa")) is False or "gqa" in bad_schema:
+        gqa_seen = report.observed.get((dtype, Capability.GQA))
+        if gqa_seen is False or Capability.GQA in bad_schema:
             gqa = None
         elif gqa is not None and gqa_updates:
             gqa = dataclasses.replace(gqa, **gqa_updates)
-        elif gqa is None and report.observed.get((dtype, "gqa")):
+        elif gqa is None and gqa_seen:
             gqa = dataclasses.replace(GQASupport(), **gqa_updates)
         dtypes[dtype] = dataclasses.replace(ops, gqa=gqa, **updates)
     return dataclasses.replace(record, dtypes=dtypes)
@@ -647,6 +116,8 @@ def cached_probe(record: EPCapabilities) -> tuple[EPCapabilities, ProbeReport]:
 __all__ = [
     "EMISSIONS",
     "KNOWN_ANSWERS",
+    "Capability",
+    "Emission",
     "OpSupport",
     "ProbeReport",
     "cached_probe",

@@ -398,7 +398,7 @@ def _reference(
 
 
 def _plan_tolerance(plan: PrecisionPlan, kv_int8: bool = False):
-    from .tolerances import Tolerance, tolerance_for
+    from epfuse.tolerances import Tolerance, tolerance_for
 
     int8 = plan.int4 is not None and plan.int4.accuracy_level == 4
     tol = tolerance_for(plan.compute_dtype, "int4-int8-compute" if int8 else None)

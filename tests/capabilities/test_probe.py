@@ -8,7 +8,7 @@ import pytest
 from model_builder import DecoderConfig, build_decoder
 
 import epfuse
-from epfuse.capabilities import all_eps, get_ep
+from epfuse.capabilities import all_eps, get_ep, known_answers
 from epfuse.capabilities import probe as probe_module
 from epfuse.capabilities.probe import (
     Emission,
@@ -82,7 +82,7 @@ def test_known_answer_detects_a_wrong_result(monkeypatch):
     assert known_answer("skip_simplified_layer_norm", "float32", "CPUExecutionProvider") is None
 
     def wrong(dtype, provider):
-        got, ref = probe_module._norm_case(dtype, provider, "SimplifiedLayerNormalization")
+        got, ref = known_answers._norm_case(dtype, provider, "SimplifiedLayerNormalization")
         return got * 1.01, ref
 
     monkeypatch.setitem(probe_module.KNOWN_ANSWERS, "simplified_layer_norm", wrong)
@@ -118,7 +118,7 @@ def test_cli_probe(capsys):
 def test_head_sink_known_answer_would_catch_an_ignored_sink(monkeypatch):
     """The head_sink case's reference differs from plain attention by far more than the
     tolerance, so a kernel that ignored the input would fail it."""
-    got, with_sink = probe_module._gqa_case("float32", "CPUExecutionProvider", sink=True, window=3)
-    _, without = probe_module._gqa_case("float32", "CPUExecutionProvider", window=3)
+    got, with_sink = known_answers._gqa_case("float32", "CPUExecutionProvider", sink=True, window=3)
+    _, without = known_answers._gqa_case("float32", "CPUExecutionProvider", window=3)
     assert abs(with_sink - without).max() > 0.1
     assert abs(got - with_sink).max() < 1e-4

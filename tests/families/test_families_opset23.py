@@ -22,10 +22,10 @@ import onnxruntime as ort
 import pytest
 
 import epfuse
-from epfuse.optimizer.tolerances import tolerance_for
 from epfuse.optimizer.verify import assert_equivalent
 from epfuse.testing.hf_export import export_hf_decoder, hf_reference
 from epfuse.testing.hf_families import FAMILIES, SLIDING_WINDOW
+from epfuse.tolerances import tolerance_for
 
 pytestmark = pytest.mark.slow
 

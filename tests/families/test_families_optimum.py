@@ -28,10 +28,10 @@ import pytest
 from families.test_families_opset18 import EXPECTED as EXPECTED_18
 
 import epfuse
-from epfuse.optimizer.tolerances import tolerance_for
 from epfuse.optimizer.verify import compare_models
 from epfuse.testing.hf_export import hf_reference
 from epfuse.testing.hf_families import ALL_FAMILIES, SLIDING_WINDOW
+from epfuse.tolerances import tolerance_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.optimum]
 

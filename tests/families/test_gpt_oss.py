@@ -21,10 +21,10 @@ from onnx import numpy_helper
 
 import epfuse
 from epfuse.capabilities import get_ep
-from epfuse.optimizer.tolerances import tolerance_for
 from epfuse.optimizer.verify import assert_equivalent
 from epfuse.testing.hf_export import export_hf_decoder, hf_model, hf_reference
 from epfuse.testing.hf_families import SINK_FAMILIES, SLIDING_WINDOW
+from epfuse.tolerances import tolerance_for
 
 pytestmark = pytest.mark.slow
 

@@ -16,10 +16,10 @@ import pytest
 
 import epfuse
 from epfuse.capabilities import get_ep
-from epfuse.optimizer.tolerances import tolerance_for
 from epfuse.optimizer.verify import assert_equivalent
 from epfuse.testing.hf_export import export_hf_decoder, hf_reference
 from epfuse.testing.hf_families import MOE_FAMILIES
+from epfuse.tolerances import tolerance_for
 
 pytestmark = pytest.mark.slow
 

@@ -25,9 +25,9 @@ import pytest
 
 import epfuse
 from epfuse.optimizer.genai import GenaiPackage, write_genai_package
-from epfuse.optimizer.tolerances import tolerance_for
 from epfuse.testing.hf_export import export_hf_decoder, hf_model, past_input_names
 from epfuse.testing.hf_families import tiny_dims
+from epfuse.tolerances import tolerance_for
 
 pytest.importorskip("torch")
 pytest.importorskip("transformers")

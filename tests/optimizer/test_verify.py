@@ -8,7 +8,6 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from epfuse.examples import EXAMPLE_MODEL
-from epfuse.optimizer.tolerances import TOLERANCES, Tolerance
 from epfuse.optimizer.verify import (
     SCENARIOS,
     Scenario,
@@ -16,6 +15,7 @@ from epfuse.optimizer.verify import (
     compare_models,
     discover_io,
 )
+from epfuse.tolerances import TOLERANCES, Tolerance
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,6 @@
 """Property suite: for drawn decoder configs and in-contract inputs, the model epfuse makes for
 an EP computes what the generic graph computes (logits and present K/V on valid rows, with
-the shared tolerances of ``epfuse.optimizer.tolerances``).
+the shared tolerances of ``epfuse.tolerances``).
 
 Every EP whose output runs on ORT CPU is fuzzed: ``cpu`` (GQA, fused RoPE), ``dml`` and
 ``webgpu`` (GQA, RoPE outside), ``default`` (standard ONNX only), ``qnn`` and, for fp16,

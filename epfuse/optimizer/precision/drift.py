@@ -7,7 +7,7 @@ here, on the verify harness's inputs: a right-padded batch-2 prompt, then decode
 each model reads its own cache (a converted model's cache is in its own dtype), the same
 tokens fed to both. Reported: max |logits difference| over valid rows and the fraction of
 valid rows whose top-1 token agrees, next to the expected bound from
-:data:`epfuse.optimizer.tolerances.DRIFT`.
+:data:`epfuse.tolerances.DRIFT`.
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from typing import Any
 
 import numpy as np
 
-from epfuse.optimizer.tolerances import drift_bound
 from epfuse.optimizer.verify.feeds import _prompt_case, _tokens
 from epfuse.optimizer.verify.runner import ModelLike, _Runner
+from epfuse.tolerances import drift_bound
 
 
 @dataclasses.dataclass

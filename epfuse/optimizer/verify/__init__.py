@@ -17,7 +17,7 @@ Both models run on ONNX Runtime CPU sessions over a fixed set of scenarios with 
 Any batch and lengths can be given as explicit :class:`Scenario` objects (the property tests
 draw them). Logits are compared on valid rows ``(b, :L_b)`` and present K/V on valid rows
 ``(b, :, :past+L_b, :)``, with the tolerance of the model's dtype from
-:mod:`epfuse.optimizer.tolerances`. A model without past inputs or present outputs is compared
+:mod:`epfuse.tolerances`. A model without past inputs or present outputs is compared
 on prompt scenarios only (the others are reported as skipped).
 
 Model I/O is discovered from each graph by role, by shape, type and consumer (not by name), so

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from epfuse.optimizer.tolerances import Tolerance
+from epfuse.tolerances import Tolerance
 
 
 @dataclass

@@ -12,7 +12,7 @@ import onnx
 import onnx_ir as ir
 import onnxruntime as ort
 
-from epfuse.optimizer.tolerances import Tolerance, tolerance_for
+from epfuse.tolerances import Tolerance, tolerance_for
 from epfuse.patterns._evaluate import float32_boundary
 
 from .comparison import (
@@ -208,7 +208,7 @@ def compare_models(
     :class:`Scenario` objects (any batch and lengths). Sequence lengths can be raised (e.g.
     ``prompt_len`` / ``decode_past_len`` beyond a sliding window). ``padded_lens`` defaults to
     ``(prompt_len, (prompt_len + 1) // 2)``, ``padded_decode_lens`` to ``padded_lens``.
-    ``tolerance`` overrides the dtype's entry in :data:`epfuse.optimizer.tolerances.TOLERANCES`.
+    ``tolerance`` overrides the dtype's entry in :data:`epfuse.tolerances.TOLERANCES`.
     ``position_streams`` maps the scenario's (batch, seq) positions to (3, batch, seq) mRoPE
     streams for a model whose position input has that shape (default :func:`text_positions`).
 

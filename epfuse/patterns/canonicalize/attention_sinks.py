@@ -33,7 +33,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from epfuse.optimizer.tolerances import tolerance_for
+from epfuse.tolerances import tolerance_for
 
 from .._evaluate import SubgraphEvaluator, _Unprovable, value_dependencies
 from .._graph import (

@@ -38,7 +38,7 @@ import onnx_ir as ir
 import onnxruntime as ort
 from onnx import helper, numpy_helper
 
-from epfuse.optimizer.tolerances import tolerance_for
+from epfuse.tolerances import tolerance_for
 
 from .._evaluate import SubgraphEvaluator, _Unprovable, value_dependencies
 from .._graph import (

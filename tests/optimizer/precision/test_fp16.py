@@ -14,8 +14,8 @@ from epfuse.capabilities import get_ep
 from epfuse.capabilities.conformance import check
 from epfuse.errors import VerificationError
 from epfuse.optimizer.precision.fp16 import convert_float
-from epfuse.optimizer.tolerances import drift_bound
 from epfuse.optimizer.verify import assert_equivalent
+from epfuse.tolerances import drift_bound
 
 FP16 = onnx.TensorProto.FLOAT16
 

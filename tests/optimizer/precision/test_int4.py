@@ -10,8 +10,8 @@ from model_builder import DecoderConfig, build_decoder
 import epfuse
 from epfuse.optimizer.io import save_model
 from epfuse.optimizer.precision import Int4Options
-from epfuse.optimizer.tolerances import tolerance_for
 from epfuse.optimizer.verify import compare_models
+from epfuse.tolerances import tolerance_for
 
 CFG = DecoderConfig(layers=2, heads=4, kv_heads=2, head_dim=16, intermediate=64, vocab=256)
 

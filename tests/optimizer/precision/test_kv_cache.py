@@ -12,8 +12,8 @@ import epfuse
 from epfuse.capabilities.conformance import required_flags
 from epfuse.errors import OptionError, UnsupportedModelError
 from epfuse.optimizer.precision.kv_cache import HEADROOM, float_cache_boundary
-from epfuse.optimizer.tolerances import tolerance_for
 from epfuse.optimizer.verify import compare_models
+from epfuse.tolerances import tolerance_for
 
 CFG = DecoderConfig(layers=2, heads=4, kv_heads=2, head_dim=16, intermediate=64, vocab=256)
 

@@ -18,9 +18,9 @@ from proto_graph import ProtoGraph
 
 from epfuse.capabilities import get_ep
 from epfuse.optimizer.manager import _infer_types
-from epfuse.optimizer.tolerances import tolerance_for
 from epfuse.patterns import Kept, OptimizeOptions, RewriteContext, Rewritten
 from epfuse.patterns.canonicalize.attention_sinks import AttentionSinksToAttention
+from epfuse.tolerances import tolerance_for
 
 B, N, S, T, H = 2, 4, 3, 5, 8
 SINKS = np.array([2.5, -1.0, 0.3, 6.0], np.float32)

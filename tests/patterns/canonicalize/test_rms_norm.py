@@ -15,9 +15,9 @@ from proto_graph import ProtoGraph
 
 from epfuse.capabilities import get_ep
 from epfuse.optimizer.manager import _infer_types
-from epfuse.optimizer.tolerances import tolerance_for
 from epfuse.patterns import Kept, OptimizeOptions, RewriteContext, Rewritten
 from epfuse.patterns.canonicalize.rms_norm import DecomposedRMSNormToRMSNormalization
+from epfuse.tolerances import tolerance_for
 
 D = 32
 EPS = 1e-6

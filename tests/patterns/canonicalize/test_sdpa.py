@@ -19,10 +19,10 @@ import epfuse
 from epfuse.capabilities import get_ep
 from epfuse.capabilities.conformance import check
 from epfuse.optimizer.manager import _infer_types
-from epfuse.optimizer.tolerances import tolerance_for
 from epfuse.optimizer.verify import assert_equivalent
 from epfuse.patterns import Kept, OptimizeOptions, RewriteContext, Rewritten
 from epfuse.patterns.canonicalize.sdpa import DecomposedAttentionToAttention
+from epfuse.tolerances import tolerance_for
 
 B, NQ, S, T, H = 2, 4, 3, 5, 8
 

@@ -12,9 +12,9 @@ from onnx import TensorProto, helper
 
 from epfuse.capabilities import get_ep
 from epfuse.optimizer.manager import _infer_types
-from epfuse.optimizer.tolerances import tolerance_for
 from epfuse.patterns import OptimizeOptions, RewriteContext, Rewritten
 from epfuse.patterns.canonicalize.split_rotary import SplitHalvesToRotaryEmbedding
+from epfuse.tolerances import tolerance_for
 
 B, N, S, D = 2, 3, 5, 16
 

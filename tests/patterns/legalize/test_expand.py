@@ -13,13 +13,13 @@ from onnx import TensorProto, helper
 
 from epfuse.capabilities import get_ep
 from epfuse.optimizer.manager import _infer_types
-from epfuse.optimizer.tolerances import tolerance_for
 from epfuse.patterns import OptimizeOptions, RewriteContext, Rewritten
 from epfuse.patterns.legalize.expand import (
     ExpandAttention,
     ExpandRMSNormalization,
     ExpandRotaryEmbedding,
 )
+from epfuse.tolerances import tolerance_for
 
 RNG = np.random.default_rng(0)
 _NP = {TensorProto.FLOAT: np.float32, TensorProto.FLOAT16: np.float16}

@@ -14,9 +14,9 @@ from onnx import TensorProto, helper
 import epfuse
 from epfuse.capabilities import get_ep
 from epfuse.optimizer.manager import _infer_types
-from epfuse.optimizer.tolerances import tolerance_for
 from epfuse.patterns import Kept, OptimizeOptions, RewriteContext, Rewritten
 from epfuse.patterns.legalize.skip_norm import SkipSimplifiedToAddRMSNorm
+from epfuse.tolerances import tolerance_for
 
 RNG = np.random.default_rng(0)
 _NP = {TensorProto.FLOAT: np.float32, TensorProto.FLOAT16: np.float16}

@@ -18,9 +18,9 @@ from proto_graph import ProtoGraph
 
 from epfuse.capabilities import get_ep
 from epfuse.optimizer.manager import _infer_types
-from epfuse.optimizer.tolerances import tolerance_for
 from epfuse.patterns import Kept, OptimizeOptions, RewriteContext, Rewritten
 from epfuse.patterns.lower.moe import ExpertsToMoE
+from epfuse.tolerances import tolerance_for
 
 H, INTER, E, K = 16, 8, 4, 2
 LIMIT, ALPHA = 0.9, 1.702
