@@ -9,8 +9,10 @@ node of that type; the rule answers with one of three outcomes:
 * :class:`Rewritten` — the graph was changed; a short note goes into the report.
 
 A rule must not modify the graph unless it returns ``Rewritten``: checks come first.
-Each rule declares ``requires(ops)`` — what it needs of the EP for the model's dtype — so the
-pass manager can select rules by capability and say why one was not selected.
+Each lowering rule declares ``emits`` — the capabilities (``epfuse.capabilities.emissions``,
+the one emission table) its output needs of the EP for the model's dtype; ``requires()``
+derives from it, so the pass manager can select rules by capability and say why one was not
+selected. A rule refines ``requires()`` only for a condition the table cannot say.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ import enum
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import onnx_ir as ir
+
+from epfuse.capabilities.emissions import Capability
 
 if TYPE_CHECKING:
     from epfuse.capabilities import EPCapabilities, OpSupport
@@ -123,9 +127,15 @@ class Rule:
     anchor: ClassVar[tuple[str, str]]
     """(domain, op_type) of the nodes offered to ``apply``; domain "" is ONNX."""
     description: ClassVar[str] = ""
+    emits: ClassVar[tuple[Capability, ...]] = ()
+    """Capabilities every output of the rule needs (features it adds only to some nodes, e.g.
+    GQA's softcap, are checked per node in ``apply``)."""
 
     def requires(self, ops: OpSupport, ep: EPCapabilities) -> str | None:
         """None when the EP can take this rule's output for the dtype, else why not."""
+        for capability in self.emits:
+            if not capability.supported_by(ops):
+                return capability.lacking(ep.name)
         return None
 
     def apply(self, node: ir.Node, ctx: RewriteContext) -> Outcome:

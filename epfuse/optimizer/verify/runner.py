@@ -12,8 +12,8 @@ import onnx
 import onnx_ir as ir
 import onnxruntime as ort
 
-from epfuse.tolerances import Tolerance, tolerance_for
 from epfuse.patterns._evaluate import float32_boundary
+from epfuse.tolerances import Tolerance, tolerance_for
 
 from .comparison import (
     ScenarioResult,

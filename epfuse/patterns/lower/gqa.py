@@ -31,6 +31,8 @@ import math
 import numpy as np
 import onnx_ir as ir
 
+from epfuse.capabilities.emissions import Capability
+
 from .._graph import (
     Builder,
     attr,
@@ -93,11 +95,7 @@ class AttentionToGQA(Rule):
     stage = Stage.LOWER
     anchor = ("", "Attention")
     description = "Attention (+RoPE, KV cache, causal+padding mask) -> GroupQueryAttention"
-
-    def requires(self, ops, ep):
-        if ops.gqa is None:
-            return f"{ep.name} has no GroupQueryAttention for this dtype"
-        return None
+    emits = (Capability.GQA,)
 
     def apply(self, node: ir.Node, ctx: RewriteContext):
         gqa_caps = ctx.ops.gqa

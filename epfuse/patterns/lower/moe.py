@@ -38,6 +38,7 @@ import onnx_ir as ir
 import onnxruntime as ort
 from onnx import helper, numpy_helper
 
+from epfuse.capabilities.emissions import Capability
 from epfuse.tolerances import tolerance_for
 
 from .._evaluate import SubgraphEvaluator, _Unprovable, value_dependencies
@@ -471,9 +472,7 @@ class ExpertsToMoE(Rule):
     stage = Stage.LOWER
     anchor = ("", "ReduceSum")
     description = "router + top-k + batched SwiGLU experts -> com.microsoft::MoE"
-
-    def requires(self, ops, ep):
-        return None if ops.moe else f"{ep.name} has no com.microsoft::MoE for this dtype"
+    emits = (Capability.MOE,)
 
     def apply(self, node: ir.Node, ctx: RewriteContext):
         matched = _match(node)

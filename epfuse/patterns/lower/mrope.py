@@ -26,6 +26,8 @@ import dataclasses
 import numpy as np
 import onnx_ir as ir
 
+from epfuse.capabilities.emissions import Capability
+
 from .._evaluate import SubgraphEvaluator, _Unprovable, value_dependencies
 from .._graph import Builder, attr, const_array, ensure_opset, input_at, substitute
 from ..base import Kept, RewriteContext, Rewritten, Rule, Stage
@@ -276,6 +278,13 @@ class MRopeLowering(Rule):
         "RotaryEmbedding with cos/sin mixed from (3, B, S) positions -> MRotaryEmbedding "
         "(or constant per-stream caches + Where)"
     )
+    emits = (Capability.MROTARY_EMBEDDING,)
+
+    def requires(self, ops, ep):
+        # Selected on every EP: without MRotaryEmbedding it still mixes constant per-stream
+        # caches for the standard RotaryEmbedding already in the graph (or keeps the layer,
+        # saying why, in ``apply``).
+        return None
 
     def apply(self, node: ir.Node, ctx: RewriteContext):
         if input_at(node, 3) is not None:

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
+from epfuse.capabilities.emissions import Capability
+
 from .._graph import attr, ensure_opset, input_at, substitute
 from .._layout import last_dim
 from ..analysis.head_counts import axis_size
@@ -34,13 +36,13 @@ class OnnxRotaryToContrib(Rule):
     stage = Stage.FINALIZE
     anchor = ("", "RotaryEmbedding")
     description = "ONNX RotaryEmbedding -> com.microsoft::RotaryEmbedding (EPs without the ONNX op)"
+    emits = (Capability.MS_ROTARY_EMBEDDING,)
 
     def requires(self, ops, ep):
-        if ops.rotary_embedding:
+        # Only a fallback: an EP that runs the ONNX op keeps it.
+        if Capability.ROTARY_EMBEDDING.supported_by(ops):
             return f"{ep.name} runs ONNX RotaryEmbedding itself"
-        if not ops.ms_rotary_embedding:
-            return f"{ep.name} has no com.microsoft::RotaryEmbedding for this dtype"
-        return None
+        return super().requires(ops, ep)
 
     def apply(self, node: ir.Node, ctx: RewriteContext):
         x, cos, sin, positions = (input_at(node, i) for i in range(4))

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
+from epfuse.capabilities.emissions import Capability
+
 from .._graph import attr, dim, ensure_opset, input_at, producer, substitute
 from ..base import Kept, RewriteContext, Rewritten, Rule, Stage
 
@@ -70,14 +72,8 @@ def _residual_add(node: ir.Node) -> tuple[ir.Node, ir.Value, ir.Value] | str | N
 
 class _SkipNormFusion(Rule):
     stage = Stage.LOWER
-    flag: str
     fused_op: str
     has_bias: bool
-
-    def requires(self, ops, ep):
-        if not getattr(ops, self.flag):
-            return f"{ep.name} has no {self.fused_op} for this dtype"
-        return None
 
     def apply(self, node: ir.Node, ctx: RewriteContext):
         found = _residual_add(node)
@@ -113,7 +109,7 @@ class SkipRMSNormFusion(_SkipNormFusion):
     name = "skip-simplified-layer-norm"
     anchor = ("", "RMSNormalization")
     description = "residual Add + RMSNormalization -> SkipSimplifiedLayerNormalization"
-    flag = "skip_simplified_layer_norm"
+    emits = (Capability.SKIP_SIMPLIFIED_LAYER_NORM,)
     fused_op = "SkipSimplifiedLayerNormalization"
     has_bias = False
 
@@ -122,7 +118,7 @@ class SkipLayerNormFusion(_SkipNormFusion):
     name = "skip-layer-norm"
     anchor = ("", "LayerNormalization")
     description = "residual Add + LayerNormalization -> SkipLayerNormalization"
-    flag = "skip_layer_norm"
+    emits = (Capability.SKIP_LAYER_NORM,)
     fused_op = "SkipLayerNormalization"
     has_bias = True
 
@@ -132,15 +128,14 @@ class _RenameNorm(Rule):
 
     stage = Stage.LOWER
     target: str
-    have: str
-    lack: str
+    lack: Capability
+    """The anchor's own capability: an EP that runs the anchor keeps it."""
 
     def requires(self, ops, ep):
-        if not getattr(ops, self.have):
-            return f"{ep.name} does not take {self.target} for this dtype"
-        if getattr(ops, self.lack):
+        lacking = super().requires(ops, ep)
+        if lacking is None and self.lack.supported_by(ops):
             return f"{ep.name} runs {self.anchor[1]} itself"
-        return None
+        return lacking
 
     def apply(self, node: ir.Node, ctx: RewriteContext):
         checked = _last_axis_norm(node, False)
@@ -167,8 +162,8 @@ class RMSNormToSimplified(_RenameNorm):
     anchor = ("", "RMSNormalization")
     description = "RMSNormalization -> SimplifiedLayerNormalization (EPs without RMSNormalization)"
     target = "SimplifiedLayerNormalization"
-    have = "simplified_layer_norm"
-    lack = "rms_normalization"
+    emits = (Capability.SIMPLIFIED_LAYER_NORM,)
+    lack = Capability.RMS_NORMALIZATION
 
 
 class SimplifiedToRMSNorm(_RenameNorm):
@@ -176,5 +171,5 @@ class SimplifiedToRMSNorm(_RenameNorm):
     anchor = ("", "SimplifiedLayerNormalization")
     description = "SimplifiedLayerNormalization -> RMSNormalization (EPs without the ORT op)"
     target = "RMSNormalization"
-    have = "rms_normalization"
-    lack = "simplified_layer_norm"
+    emits = (Capability.RMS_NORMALIZATION,)
+    lack = Capability.SIMPLIFIED_LAYER_NORM

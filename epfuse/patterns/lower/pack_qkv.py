@@ -22,6 +22,8 @@ import contextlib
 import numpy as np
 import onnx_ir as ir
 
+from epfuse.capabilities.emissions import Capability
+
 from .._graph import attr, input_at, producer
 from ..base import Kept, RewriteContext, Rewritten, Rule, Stage
 
@@ -115,11 +117,7 @@ class PackQKV(Rule):
     stage = Stage.LOWER
     anchor = ("com.microsoft", "GroupQueryAttention")
     description = "three Q/K/V projections of one input -> one MatMul feeding packed GQA"
-
-    def requires(self, ops, ep):
-        if ops.gqa is None or not ops.gqa.packed_qkv:
-            return f"{ep.name}'s GroupQueryAttention takes no packed QKV for this dtype"
-        return None
+    emits = (Capability.GQA_PACKED_QKV,)
 
     def apply(self, node: ir.Node, ctx: RewriteContext):
         q, k, v = (input_at(node, i) for i in range(3))

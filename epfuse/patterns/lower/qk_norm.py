@@ -22,6 +22,8 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
+from epfuse.capabilities.emissions import Capability
+
 from .._evaluate import SubgraphEvaluator
 from .._graph import attr, input_at
 from .._layout import last_dim
@@ -144,11 +146,7 @@ class QKNormIntoGQA(Rule):
     stage = Stage.LOWER
     anchor = ("com.microsoft", "GroupQueryAttention")
     description = "per-head q/k RMSNorm ahead of GQA -> q_norm_weight/k_norm_weight"
-
-    def requires(self, ops, ep):
-        if ops.gqa is None or not ops.gqa.qk_norm:
-            return f"{ep.name}'s GroupQueryAttention does not apply q/k norm for this dtype"
-        return None
+    emits = (Capability.GQA_QK_NORM,)
 
     def apply(self, node: ir.Node, ctx: RewriteContext):
         q, k = input_at(node, 0), input_at(node, 1)
