@@ -435,6 +435,7 @@ _COLUMNS = (
     ("GQA-softcap", lambda o: bool(o.gqa and o.gqa.softcap)),
     ("GQA-window", lambda o: bool(o.gqa and o.gqa.local_window)),
     ("GQA-sink", lambda o: bool(o.gqa and o.gqa.head_sink)),
+    ("KV-int8", lambda o: bool(o.gqa and o.gqa.kv_cache_int8)),
     ("MoE", lambda o: o.moe),
     ("Attention", lambda o: o.attention),
     ("RotaryEmb", lambda o: o.rotary_embedding),

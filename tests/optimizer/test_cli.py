@@ -220,6 +220,15 @@ def test_capabilities_table(capsys):
     out = capsys.readouterr().out
     for name in ["cpu", "cuda", "dml", "webgpu", "trt-rtx", "qnn", "openvino", "coreml", "default"]:
         assert f"\n{name}: " in out
+    assert "KV-int8" in out.splitlines()[0]
+    cpu_rows = [line.split() for line in out.splitlines() if line.startswith("cpu ")]
+    header = out.splitlines()[0].split()
+    kv = header.index("KV-int8")
+    assert {row[1]: row[kv] for row in cpu_rows} == {
+        "float32": "yes",
+        "float16": "yes",
+        "bfloat16": "-",
+    }
     assert main(["capabilities", "--ep", "DmlExecutionProvider"]) == 0
     assert "dml" in capsys.readouterr().out
 
