@@ -19,7 +19,7 @@ from epfuse.errors import (
     UnsupportedModelError,
     VerificationError,
 )
-from epfuse.patterns import OptimizeOptions
+from epfuse.patterns import OptimizeOptions, ReasonCode
 from epfuse.patterns.analysis.signature import DecoderSignature
 
 from .io import load_model
@@ -532,7 +532,11 @@ def _verified(
     for layer in report.layers:
         if layer.layer in failing:
             layer.reasons = [r for r in layer.reasons if r != SKIPPED_REASON]
-            layer.reasons.append(f"rolled back: failed verification ({failing[layer.layer]})")
+            layer.codes = [c for c in layer.codes if c != ReasonCode.SKIPPED_LAYER]
+            layer.keep(
+                ReasonCode.ROLLED_BACK,
+                f"rolled back: failed verification ({failing[layer.layer]})",
+            )
     rolled = ", ".join(str(i) for i in sorted(failing))
     report.verification = (
         f"passed after rolling back layer(s) {rolled} ({_scenario_list(again)}); "

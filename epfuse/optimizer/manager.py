@@ -21,7 +21,16 @@ import onnx_ir as ir
 import onnx_ir.passes.common as common_passes
 
 from epfuse.capabilities import EPCapabilities
-from epfuse.patterns import RULES, Kept, OptimizeOptions, RewriteContext, Rewritten, Rule, Stage
+from epfuse.patterns import (
+    RULES,
+    Kept,
+    OptimizeOptions,
+    ReasonCode,
+    RewriteContext,
+    Rewritten,
+    Rule,
+    Stage,
+)
 from epfuse.patterns.analysis.shapes import declared_names, refine_shapes
 from epfuse.patterns.base import LAYER_KEY
 from epfuse.patterns.legalize._common import missing
@@ -110,10 +119,10 @@ class PassManager:
         canonical_kept = self._sweep(ctx, canonical, rule_reports, {}, report)
         layers = self._label_layers(graph)
         report.layers = layers
-        for node, reason in canonical_kept:
+        for node, kept in canonical_kept:
             index = _layer_of(node)
             if index is not None and node.graph is graph:
-                layers[index].reasons.append(reason)
+                layers[index].keep(kept.code, kept.message)
 
         # PRECISION: before selection, so the record of the converted dtype applies.
         if precision is not None:
@@ -143,11 +152,11 @@ class PassManager:
                 rule_reports[rule.name].not_selected_because = reason
                 if _is_attention_anchor(rule.anchor):
                     for layer in layers:
-                        layer.reasons.append(reason)
+                        layer.keep(ReasonCode.EP_UNSUPPORTED, reason)
         by_layer = {layer.layer: layer for layer in layers}
         for index in sorted(options.skip_layers):
             if index in by_layer:
-                by_layer[index].reasons.append(SKIPPED_REASON)
+                by_layer[index].keep(ReasonCode.SKIPPED_LAYER, SKIPPED_REASON)
         for stage in (Stage.LOWER, Stage.FINALIZE, Stage.LEGALIZE):
             stage_rules = [r for r in selected if r.stage is stage]
             self._sweep(ctx, stage_rules, rule_reports, by_layer, report)
@@ -175,7 +184,7 @@ class PassManager:
     def _sweep(
         self, ctx, rules, rule_reports, layers: dict[int, LayerReport], report: Report
     ) -> list[tuple[ir.Node, str]]:
-        """Sweep to a fixed point; return the (node, reason) of rules that kept a node.
+        """Sweep to a fixed point; return the (node, Kept) of rules that kept a node.
 
         A stage still changing the graph after ``MAX_SWEEPS`` sweeps (two rules undoing each
         other, or a rule rewriting its own output) stops there: the graph is still valid (each
@@ -189,7 +198,7 @@ class PassManager:
         graph = ctx.graph
         for _ in range(MAX_SWEEPS):
             changed = False
-            kept_now: dict[tuple[str, int], tuple[ir.Node, str]] = {}
+            kept_now: dict[tuple[str, int], tuple[ir.Node, Kept]] = {}
             for node in list(graph):
                 if node.graph is not graph:
                     continue  # removed by an earlier rewrite in this sweep
@@ -200,7 +209,7 @@ class PassManager:
                     if outcome is None:
                         continue
                     if isinstance(outcome, Kept):
-                        kept_now[(rule.name, id(node))] = (node, outcome.reason)
+                        kept_now[(rule.name, id(node))] = (node, outcome)
                         continue
                     assert isinstance(outcome, Rewritten)
                     changed = True
@@ -213,13 +222,16 @@ class PassManager:
                             layer.notes.append(outcome.note)
                     break
             if not changed:
-                for (rule_name, _), (node, reason) in kept_now.items():
-                    rule_reports[rule_name].kept += 1
-                    if reason not in rule_reports[rule_name].kept_reasons:
-                        rule_reports[rule_name].kept_reasons.append(reason)
+                for (rule_name, _), (node, kept) in kept_now.items():
+                    rule_report = rule_reports[rule_name]
+                    rule_report.kept += 1
+                    if kept.message not in rule_report.kept_reasons:
+                        rule_report.kept_reasons.append(kept.message)
+                    if kept.code not in rule_report.kept_codes:
+                        rule_report.kept_codes.append(str(kept.code))
                     layer = layers.get(_layer_of(node))
                     if layer is not None and node.graph is graph:
-                        layer.reasons.append(reason)
+                        layer.keep(kept.code, kept.message)
                 return list(kept_now.values())
         stage = rules[0].stage.value
         report.warnings.append(

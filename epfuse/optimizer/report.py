@@ -18,9 +18,18 @@ class LayerReport:
     fused: bool = False
     reasons: list[str] = dataclasses.field(default_factory=list)
     """Why the layer was kept, or why a feature stayed outside the fused op."""
+    codes: list[str] = dataclasses.field(default_factory=list)
+    """The distinct :class:`~epfuse.patterns.reasons.ReasonCode` values behind ``reasons``
+    (stable: read these, not the wording)."""
     notes: list[str] = dataclasses.field(default_factory=list)
     runs_on_ep: bool = True
     """False when the layer was kept in a form the EP's record does not run (it falls back)."""
+
+    def keep(self, code: str, message: str) -> None:
+        """Record why (part of) the layer was kept: the message as shown, the code once."""
+        self.reasons.append(message)
+        if code not in self.codes:
+            self.codes.append(str(code))
 
 
 @dataclasses.dataclass
@@ -34,6 +43,8 @@ class RuleReport:
     kept_reasons: list[str] = dataclasses.field(default_factory=list)
     """Distinct reasons given when the rule kept a node (e.g. a decomposed attention that was
     not lifted, which no layer entry records since no Attention op exists for it)."""
+    kept_codes: list[str] = dataclasses.field(default_factory=list)
+    """The distinct reason codes behind ``kept_reasons``."""
 
 
 @dataclasses.dataclass

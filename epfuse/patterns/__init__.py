@@ -27,6 +27,7 @@ from .lower.norms import (
 )
 from .lower.pack_qkv import PackQKV
 from .lower.qk_norm import QKNormIntoGQA
+from .reasons import ReasonCode
 
 RULES: tuple[Rule, ...] = (
     DecomposedAttentionToAttention(),
@@ -59,6 +60,7 @@ __all__ = [
     "RULES",
     "Kept",
     "OptimizeOptions",
+    "ReasonCode",
     "RewriteContext",
     "Rewritten",
     "Rule",

@@ -5,7 +5,7 @@ node of that type; the rule answers with one of three outcomes:
 
 * ``None`` — not its business (the node is not the shape it rewrites); nothing is recorded;
 * :class:`Kept` — the node *is* its shape, but the rewrite cannot be proven safe for this EP
-  or this graph; the reason goes into the report and the graph is left untouched;
+  or this graph; its reason code and message go into the report and the graph is left untouched;
 * :class:`Rewritten` — the graph was changed; a short note goes into the report.
 
 A rule must not modify the graph unless it returns ``Rewritten``: checks come first.
@@ -25,6 +25,8 @@ import onnx_ir as ir
 
 from epfuse.capabilities.emissions import Capability
 
+from .reasons import ReasonCode
+
 if TYPE_CHECKING:
     from epfuse.capabilities import EPCapabilities, OpSupport
 
@@ -42,7 +44,10 @@ class Stage(enum.Enum):
 
 @dataclasses.dataclass(frozen=True)
 class Kept:
-    reason: str
+    code: ReasonCode
+    """What kind of obstacle stopped the rewrite: stable, for code and tests to read."""
+    message: str
+    """The same for people: shown in the report as given."""
 
 
 @dataclasses.dataclass(frozen=True)

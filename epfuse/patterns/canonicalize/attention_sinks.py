@@ -51,6 +51,7 @@ from .._opset import require_default_opset
 from ..analysis.head_counts import axis_size, record_heads
 from ..analysis.signature import probe_array
 from ..base import Kept, RewriteContext, Rewritten, Rule, Stage
+from ..reasons import ReasonCode
 from .sdpa import (
     AttentionMatch,
     DecomposedAttentionToAttention,
@@ -126,18 +127,18 @@ class AttentionSinksToAttention(Rule):
         if parsed is None:
             return None
         if isinstance(parsed, str):
-            return Kept(f"attention sinks: {parsed}")
+            return Kept(ReasonCode.FORM, f"attention sinks: {parsed}")
         q, k = parsed
         reason = DecomposedAttentionToAttention._check(node, q, k, v, m)
         if reason:
-            return Kept(f"attention sinks: {reason}")
+            return Kept(ReasonCode.FORM, f"attention sinks: {reason}")
         heads = [axis_size(x) for x in (q, k, v)]
         sinks = _prove_sinks(ctx, scores, column, v, pv.outputs[0], heads[0], heads[2])
         if isinstance(sinks, str):
-            return Kept(f"attention sinks not proven: {sinks}")
+            return Kept(ReasonCode.NOT_PROVEN, f"attention sinks not proven: {sinks}")
         reason = require_default_opset(ctx.model, 23, ctx.cache)
         if reason:
-            return Kept(reason)
+            return Kept(ReasonCode.OPSET, reason)
 
         attributes: dict[str, object] = {"scale": float(m.scale), "qk_matmul_output_mode": 2}
         if m.softcap:

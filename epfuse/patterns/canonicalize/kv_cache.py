@@ -21,6 +21,7 @@ import onnx_ir as ir
 
 from .._graph import Builder, attr, input_at, producer, rank, replace_value
 from ..base import Kept, RewriteContext, Rewritten, Rule, Stage
+from ..reasons import ReasonCode
 
 
 def _split_concat(value: ir.Value) -> tuple[ir.Value, ir.Value, ir.Value] | None:
@@ -49,15 +50,18 @@ class KVConcatToAttentionPast(Rule):
         past_v, new_v, present_v = v_parts
         for past in (past_k, past_v):
             if past.shape is not None and len(past.shape) != 4:
-                return Kept("KV cache is not rank 4 (batch, heads, seq, head_size)")
+                return Kept(
+                    ReasonCode.SHAPE, "KV cache is not rank 4 (batch, heads, seq, head_size)"
+                )
         if any(out.uses() or out.is_graph_output() for out in node.outputs[1:3]):
-            return Kept("Attention already has used present outputs")
+            return Kept(ReasonCode.OUTPUTS_USED, "Attention already has used present outputs")
         qk = node.outputs[3] if len(node.outputs) > 3 else None
         qk_used = qk is not None and bool(qk.uses() or qk.is_graph_output())
         for past, new, present in (k_parts, v_parts):
             if _shape_uses(present) and 4 not in (rank(past), rank(new)):
                 return Kept(
-                    "the shape of the concatenated KV cache is read and its rank is unknown"
+                    ReasonCode.SHAPE,
+                    "the shape of the concatenated KV cache is read and its rank is unknown",
                 )
         inputs = [node.inputs[0], new_k, new_v, input_at(node, 3), past_k, past_v]
         fused = ir.node(

@@ -21,6 +21,7 @@ import onnx_ir as ir
 
 from .._graph import attr, const_ints, dim, input_at, producer, substitute
 from ..base import Kept, RewriteContext, Rewritten, Rule, Stage
+from ..reasons import ReasonCode
 
 
 def _slice_range(node: ir.Node, head_size: int) -> tuple[ir.Value, int, int] | None:
@@ -57,18 +58,25 @@ class PartialRotaryToRotaryDim(Rule):
             return None
         x = head.inputs[0]
         if x.shape is None or len(x.shape) != 4 or not isinstance(dim(x, 3), int):
-            return Kept("partial rotary input is not (B, N, S, H) with a static head size")
+            return Kept(
+                ReasonCode.SHAPE, "partial rotary input is not (B, N, S, H) with a static head size"
+            )
         head_size = dim(x, 3)
         first, second = _slice_range(head, head_size), _slice_range(tail, head_size)
         if first is None or second is None or first[0] is not x or second[0] is not x:
-            return Kept("partial rotary slices are not constant last-axis slices of one tensor")
+            return Kept(
+                ReasonCode.FORM,
+                "partial rotary slices are not constant last-axis slices of one tensor",
+            )
         rotary_dim = first[2]
         if first[1] != 0 or second[1] != rotary_dim or second[2] != head_size:
-            return Kept("partial rotary slices do not split the head at one point")
+            return Kept(ReasonCode.FORM, "partial rotary slices do not split the head at one point")
         if not (0 < rotary_dim < head_size) or rotary_dim % 2:
-            return Kept(f"rotary dim {rotary_dim} is not even and inside the head")
+            return Kept(
+                ReasonCode.SHAPE, f"rotary dim {rotary_dim} is not even and inside the head"
+            )
         if attr(rope, "rotary_embedding_dim", 0):
-            return Kept("the sliced RotaryEmbedding is itself partial")
+            return Kept(ReasonCode.FORM, "the sliced RotaryEmbedding is itself partial")
         attributes = {
             "interleaved": int(attr(rope, "interleaved", 0)),
             "rotary_embedding_dim": rotary_dim,

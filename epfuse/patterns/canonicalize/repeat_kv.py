@@ -15,6 +15,7 @@ import onnx_ir as ir
 
 from .._graph import attr, const_ints, dim, input_at, producer, shape_vector
 from ..base import Kept, RewriteContext, Rewritten, Rule, Stage
+from ..reasons import ReasonCode
 
 
 def _unrepeat(value: ir.Value) -> tuple[ir.Value, int] | str | None:
@@ -70,9 +71,9 @@ class RemoveRepeatKV(Rule):
             return None
         for got in (got_k, got_v):
             if isinstance(got, str):
-                return Kept(got)
+                return Kept(ReasonCode.FORM, got)
         if got_k is None or got_v is None or got_k[1] != got_v[1]:
-            return Kept("K and V are not repeated alike")
+            return Kept(ReasonCode.FORM, "K and V are not repeated alike")
         node.replace_input_with(1, got_k[0])
         node.replace_input_with(2, got_v[0])
         return Rewritten(f"repeat_kv x{got_k[1]} removed")

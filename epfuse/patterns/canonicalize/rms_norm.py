@@ -39,6 +39,7 @@ from .._graph import (
 )
 from .._opset import require_default_opset
 from ..base import Kept, RewriteContext, Rewritten, Rule, Stage
+from ..reasons import ReasonCode
 
 
 def _other(node: ir.Node, value: ir.Value) -> ir.Value | None:
@@ -105,7 +106,10 @@ class DecomposedRMSNormToRMSNormalization(Rule):
             return None
         chain.append(normalize)
         if xf.dtype != ir.DataType.FLOAT:
-            return Kept("RMSNorm computed in a dtype other than float32 (stash_type would differ)")
+            return Kept(
+                ReasonCode.DTYPE,
+                "RMSNorm computed in a dtype other than float32 (stash_type would differ)",
+            )
 
         normalized = normalize.outputs[0]
         x = xf
@@ -114,7 +118,7 @@ class DecomposedRMSNormToRMSNormalization(Rule):
         if after is not None and after.op_type == "Cast" and upcast is not None:
             source = upcast.inputs[0]
             if attr(after, "to") != source.dtype or source.dtype is None:
-                return Kept("RMSNorm casts to float and back to different dtypes")
+                return Kept(ReasonCode.DTYPE, "RMSNorm casts to float and back to different dtypes")
             if not source.dtype.is_floating_point():
                 return None
             chain.append(after)
@@ -127,11 +131,11 @@ class DecomposedRMSNormToRMSNormalization(Rule):
             return None
         reason = _weight_reason(weight, x)
         if reason:
-            return Kept(reason)
+            return Kept(ReasonCode.SHAPE, reason)
         chain.append(weight_mul)
         reason = require_default_opset(ctx.model, 23, ctx.cache)
         if reason:
-            return Kept(reason)
+            return Kept(ReasonCode.OPSET, reason)
         fused = ir.node(
             "RMSNormalization",
             [x, weight],

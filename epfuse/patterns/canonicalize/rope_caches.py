@@ -26,6 +26,7 @@ from .._evaluate import SubgraphEvaluator, _Unprovable, value_dependencies
 from .._graph import Builder, attr, const_array, const_ints, const_scalar, input_at, producer
 from ..analysis.signature import probe_array
 from ..base import Kept, RewriteContext, Rewritten, Rule, Stage
+from ..reasons import ReasonCode
 
 
 def _trace_trig(value: ir.Value, trig: str):
@@ -205,19 +206,21 @@ class RopeCosSinToCaches(Rule):
             return None
         (freqs_c, scale_c), (freqs_s, scale_s) = traced_cos, traced_sin
         if scale_c != scale_s:
-            return Kept("cos and sin are scaled differently")
+            return Kept(ReasonCode.FORM, "cos and sin are scaled differently")
         traced = _trace_freqs(freqs_c)
         if traced is None or _trace_freqs(freqs_s) is None:
-            return Kept("cos/sin are computed from positions in a form not recognized")
+            return Kept(
+                ReasonCode.FORM, "cos/sin are computed from positions in a form not recognized"
+            )
         positions, inv_freq = traced
         if _trace_freqs(freqs_s)[0] is not positions:
-            return Kept("cos and sin read different positions")
+            return Kept(ReasonCode.FORM, "cos and sin read different positions")
         dtype = x.dtype
         if dtype is None:
-            return Kept("the rotated input has no known dtype")
+            return Kept(ReasonCode.DTYPE, "the rotated input has no known dtype")
         caches = _caches(ctx, inv_freq, scale_c, dtype, node, cos, sin, positions)
         if isinstance(caches, str):
-            return Kept(caches)
+            return Kept(ReasonCode.NOT_PROVEN, caches)
         cos_cache, sin_cache = caches
         node.replace_input_with(1, cos_cache)
         node.replace_input_with(2, sin_cache)

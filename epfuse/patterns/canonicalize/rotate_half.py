@@ -67,6 +67,7 @@ from .._graph import (
 )
 from .._opset import require_default_opset
 from ..base import Kept, RewriteContext, Rewritten, Rule, Stage
+from ..reasons import ReasonCode
 from .rope_caches import RopeCosSinToCaches, find_freqs, full_width_caches, table_caches
 
 
@@ -484,7 +485,7 @@ def to_position_caches(ctx: RewriteContext, rope: ir.Node, x: ir.Value) -> str |
     evaluation, see ``rope_caches``), with the positions (batch, seq) like ``x``; or why not."""
     outcome = RopeCosSinToCaches().apply(rope, ctx)
     if not isinstance(outcome, Rewritten):
-        return outcome.reason if isinstance(outcome, Kept) else "not position_ids x inv_freq"
+        return outcome.message if isinstance(outcome, Kept) else "not position_ids x inv_freq"
     return None  # positions that may broadcast are expanded to x's (batch, seq) in apply
 
 
@@ -532,13 +533,13 @@ class RotateHalfToRotaryEmbedding(Rule):
         for c in (cos_full, sin_full):
             d = static_last(c)
             if d is not None and d != width:
-                return Kept("cos/sin width differs from the rotated width")
+                return Kept(ReasonCode.SHAPE, "cos/sin width differs from the rotated width")
         partial = self._partial(node, x)
         if any(c.dtype not in (None, x.dtype) for c in (cos_full, sin_full)):
-            return Kept("cos/sin do not have the dtype of the rotated input")
+            return Kept(ReasonCode.DTYPE, "cos/sin do not have the dtype of the rotated input")
         known = ctx.cache.get(("default-opset", 23), None)
         if known:  # the opset cannot be raised: no need to prove anything
-            return Kept(known)
+            return Kept(ReasonCode.OPSET, known)
         attributes = {"interleaved": int(interleaved)}
         target = node.outputs[0]
         source = x
@@ -554,10 +555,10 @@ class RotateHalfToRotaryEmbedding(Rule):
             # the full-width cos/sin instead, against caches read at the position_ids.
             rope = _proven_full_rope(ctx, node, x, cos_full, sin_full, interleaved, rope)
             if isinstance(rope, str):
-                return Kept(rope)
+                return Kept(ReasonCode.NOT_PROVEN, rope)
         reason = require_default_opset(ctx.model, 23, ctx.cache)
         if reason:
-            return Kept(reason)
+            return Kept(ReasonCode.OPSET, reason)
         positions = input_at(rope, 3)
         if positions is not None and not per_token(positions, x):
             rope.replace_input_with(3, _expanded_positions(ctx, node, positions, x))

@@ -50,6 +50,7 @@ from .._opset import require_default_opset
 from ..analysis.head_counts import axis_size, record_heads
 from ..base import Kept, RewriteContext, Rewritten, Rule, Stage
 from ..mask_analysis import MASKED_BELOW, analyze_mask_value
+from ..reasons import ReasonCode
 
 _FLOATS = (ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16, ir.DataType.DOUBLE)
 
@@ -336,21 +337,21 @@ class DecomposedAttentionToAttention(Rule):
         if parsed is None:
             return None
         if isinstance(parsed, str):
-            return Kept(parsed)
+            return Kept(ReasonCode.FORM, parsed)
         q, k = parsed
 
         reason = self._check(node, q, k, v, m)
         if reason:
-            return Kept(reason)
+            return Kept(ReasonCode.FORM, reason)
         guard_plan = None
         if guarded and m.mask is not None and not _proven_finite(m.mask):
             guard_plan = _plan_inert_guard(m.mask, k, ctx)
             if isinstance(guard_plan, str):
-                return Kept(f"the softmax NaN guard is kept: {guard_plan}")
+                return Kept(ReasonCode.NOT_PROVEN, f"the softmax NaN guard is kept: {guard_plan}")
         heads = [axis_size(x) for x in (q, k, v)]
         reason = require_default_opset(ctx.model, 23, ctx.cache)
         if reason:
-            return Kept(reason)
+            return Kept(ReasonCode.OPSET, reason)
 
         if guard_plan is not None:
             m.mask = guard_plan.build(ctx)

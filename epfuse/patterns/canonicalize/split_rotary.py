@@ -23,6 +23,7 @@ import onnx_ir as ir
 from .._graph import attr, const_ints, input_at, producer, remove_dead, replace_value
 from .._opset import require_default_opset
 from ..base import Kept, RewriteContext, Rewritten, Rule, Stage
+from ..reasons import ReasonCode
 from .rotate_half import per_token, static_last, to_position_caches
 
 
@@ -118,17 +119,24 @@ class SplitHalvesToRotaryEmbedding(Rule):
         chain = [node, sub, add, a, b, *(t.producer() for t in add.inputs), split]
         cos, sin = _heads_unsqueezed(c4, chain), _heads_unsqueezed(s4, chain)
         if cos is None or sin is None:
-            return Kept("split-halves RoPE: cos/sin are not (batch, seq, D/2) broadcast over heads")
+            return Kept(
+                ReasonCode.SHAPE,
+                "split-halves RoPE: cos/sin are not (batch, seq, D/2) broadcast over heads",
+            )
         width = static_last(x)
         for value in (cos, sin):
             if value.dtype not in (None, x.dtype):
-                return Kept("split-halves RoPE: cos/sin do not have the rotated dtype")
+                return Kept(
+                    ReasonCode.DTYPE, "split-halves RoPE: cos/sin do not have the rotated dtype"
+                )
             half = static_last(value)
             if half is not None and 2 * half != width:
-                return Kept("split-halves RoPE: cos/sin are not half the head size wide")
+                return Kept(
+                    ReasonCode.SHAPE, "split-halves RoPE: cos/sin are not half the head size wide"
+                )
         reason = require_default_opset(ctx.model, 23, ctx.cache)
         if reason:
-            return Kept(reason)
+            return Kept(ReasonCode.OPSET, reason)
         rope = ir.node(
             "RotaryEmbedding",
             [x, cos, sin],
@@ -138,7 +146,10 @@ class SplitHalvesToRotaryEmbedding(Rule):
         if not (per_token(cos, x) and per_token(sin, x)):
             why = to_position_caches(ctx, rope, x)
             if why:
-                return Kept(f"split-halves RoPE: cos/sin are not (batch, seq) of the input ({why})")
+                return Kept(
+                    ReasonCode.SHAPE,
+                    f"split-halves RoPE: cos/sin are not (batch, seq) of the input ({why})",
+                )
         ctx.graph.insert_before(node, rope)
         out, target = rope.outputs[0], node.outputs[0]
         out.shape, out.type = target.shape, target.type

@@ -15,6 +15,7 @@ from typing import ClassVar
 import onnx_ir as ir
 
 from ..base import Kept, RewriteContext, Rewritten, Rule, Stage
+from ..reasons import ReasonCode
 from ._common import missing, why
 from ._expand import expand, function_body
 
@@ -30,7 +31,9 @@ class _ExpandToPrimitives(Rule):
         opset = ctx.model.opset_imports.get("", ctx.model.graph.opset_imports.get("", 0))
         body = function_body(node, opset)
         if isinstance(body, str):
-            return Kept(f"{why(node, ctx, flags)}; cannot expand it: {body}")
+            return Kept(
+                ReasonCode.EP_UNSUPPORTED, f"{why(node, ctx, flags)}; cannot expand it: {body}"
+            )
         count = expand(node, ctx.graph, body)
         note = (
             f"{why(node, ctx, flags)}: expanded to its ONNX function body ({count} primitive ops)"

@@ -17,6 +17,7 @@ import onnx_ir as ir
 
 from .._graph import attr, input_at, substitute
 from ..base import Kept, RewriteContext, Rewritten, Rule, Stage
+from ..reasons import ReasonCode
 from ._common import missing, why
 
 _CONTRIB_DEFAULT_EPS = 1e-12
@@ -34,14 +35,20 @@ class SkipSimplifiedToAddRMSNorm(Rule):
             return None
         reason = why(node, ctx, flags)
         if any(o.uses() or o.is_graph_output() for o in node.outputs[1:3]):
-            return Kept(f"{reason}; its mean/inv_std_var outputs are used (no ONNX form)")
+            return Kept(
+                ReasonCode.OUTPUTS_USED,
+                f"{reason}; its mean/inv_std_var outputs are used (no ONNX form)",
+            )
         opset = ctx.model.opset_imports.get("", ctx.model.graph.opset_imports.get("", 0))
         if opset < 23:
-            return Kept(f"{reason}; RMSNormalization needs opset 23 (the model has {opset})")
+            return Kept(
+                ReasonCode.OPSET,
+                f"{reason}; RMSNormalization needs opset 23 (the model has {opset})",
+            )
         x, skip, gamma = node.inputs[0], input_at(node, 1), input_at(node, 2)
         bias = input_at(node, 3)
         if x is None or skip is None or gamma is None:
-            return Kept(f"{reason}; an input is missing")
+            return Kept(ReasonCode.FORM, f"{reason}; an input is missing")
         base = node.name or "SkipSimplifiedLayerNormalization"
         add = ir.node("Add", [x, skip], name=f"{base}/Add")
         ctx.graph.insert_before(node, add)

@@ -48,6 +48,7 @@ from ..base import Kept, RewriteContext, Rewritten, Rule, Stage
 from ..canonicalize.rope_caches import evaluated_equal
 from ..canonicalize.rotate_half import RotateHalfToRotaryEmbedding
 from ..mask_analysis import ProvenMask, analyze_mask
+from ..reasons import ReasonCode
 from .attention_sink import match_sink, qk_used
 from .mrope import is_streams, mrope_positions, unproven_reason
 
@@ -100,52 +101,72 @@ class AttentionToGQA(Rule):
     def apply(self, node: ir.Node, ctx: RewriteContext):
         gqa_caps = ctx.ops.gqa
         if gqa_caps is None:
-            return Kept(f"{ctx.ep.name} has no GroupQueryAttention for {ctx.dtype}")
+            return Kept(
+                ReasonCode.EP_UNSUPPORTED,
+                f"{ctx.ep.name} has no GroupQueryAttention for {ctx.dtype}",
+            )
         q, k, v = node.inputs[0], input_at(node, 1), input_at(node, 2)
         past_k, past_v = input_at(node, 4), input_at(node, 5)
         if k is None or v is None or (past_k is None) != (past_v is None):
-            return Kept("Attention inputs are not Q, K, V with a matching past")
+            return Kept(ReasonCode.FORM, "Attention inputs are not Q, K, V with a matching past")
         if past_k is None:
             # Without past inputs nothing proves K/V hold only the new tokens (a cache grown
             # outside the op would be mistaken for new keys).
-            return Kept("the Attention has no past_key/past_value inputs (KV cache not canonical)")
+            return Kept(
+                ReasonCode.FORM,
+                "the Attention has no past_key/past_value inputs (KV cache not canonical)",
+            )
         if len(node.inputs) > 6 and node.inputs[6] is not None:
-            return Kept("nonpad_kv_seqlen is not expressible in GroupQueryAttention")
+            return Kept(
+                ReasonCode.NOT_EXPRESSIBLE,
+                "nonpad_kv_seqlen is not expressible in GroupQueryAttention",
+            )
         heads = attention_heads(node, ctx.cache)
         if isinstance(heads, str):
-            return Kept(heads)
+            return Kept(ReasonCode.HEADS, heads)
         num_heads, kv_heads = heads.q_heads, heads.kv_heads
         head_size, rank = heads.head_size, heads.layout_rank
         sink = match_sink(node, num_heads) if qk_used(node) else None
         if isinstance(sink, str):
-            return Kept(sink)
+            return Kept(ReasonCode.FORM, sink)
         if sink is not None and not gqa_caps.head_sink:
             return Kept(
+                ReasonCode.EP_UNSUPPORTED,
                 f"{ctx.ep.name}'s GroupQueryAttention has no head_sink: the attention sinks "
-                "stay in the standard Attention form"
+                "stay in the standard Attention form",
             )
         if num_heads % kv_heads:
-            return Kept("query heads are not a multiple of KV heads")
+            return Kept(ReasonCode.HEADS, "query heads are not a multiple of KV heads")
         if head_size % gqa_caps.head_size_multiple:
             return Kept(
+                ReasonCode.EP_UNSUPPORTED,
                 f"head size {head_size} is not a multiple of {gqa_caps.head_size_multiple} "
-                f"on {ctx.ep.name}"
+                f"on {ctx.ep.name}",
             )
         softcap = float(attr(node, "softcap", 0.0) or 0.0)
         if softcap and not gqa_caps.softcap:
-            return Kept(f"{ctx.ep.name}'s GroupQueryAttention does not apply softcap")
+            return Kept(
+                ReasonCode.EP_UNSUPPORTED,
+                f"{ctx.ep.name}'s GroupQueryAttention does not apply softcap",
+            )
         mask = analyze_mask(node, ctx.graph, ctx.options.max_seq_len, ctx.cache)
         if isinstance(mask, str):
-            return Kept(f"mask not proven: {mask}")
+            return Kept(ReasonCode.MASK_NOT_PROVEN, f"mask not proven: {mask}")
         if mask.window is not None and not gqa_caps.local_window:
-            return Kept(f"{ctx.ep.name}'s GroupQueryAttention does not honour a sliding window")
+            return Kept(
+                ReasonCode.EP_UNSUPPORTED,
+                f"{ctx.ep.name}'s GroupQueryAttention does not honour a sliding window",
+            )
         scale = attr(node, "scale")
         scale = float(scale) if scale is not None else 1.0 / math.sqrt(head_size)
 
         rope_plan = self._plan_rope(q, k, head_size, ctx)
         if gqa_caps.requires_rotary_caches and not rope_plan.fused:
             why = rope_plan.reason or "no RotaryEmbedding on Q and K to fuse"
-            return Kept(f"{ctx.ep.name}'s GroupQueryAttention wants cos/sin caches, but {why}")
+            return Kept(
+                ReasonCode.EP_UNSUPPORTED,
+                f"{ctx.ep.name}'s GroupQueryAttention wants cos/sin caches, but {why}",
+            )
         builder = Builder(ctx.graph, node, f"epfuse/{node.name or 'attention'}")
         if rope_plan.fused:
             q_in, k_in = rope_plan.q.source, rope_plan.k.source

@@ -56,6 +56,7 @@ from .._graph import (
 )
 from ..analysis.signature import probe_array
 from ..base import Kept, RewriteContext, Rewritten, Rule, Stage
+from ..reasons import ReasonCode
 
 _NOISE = ("Squeeze", "Unsqueeze", "Identity")
 _TOKEN_COUNTS = (1, 6, 17)
@@ -479,14 +480,14 @@ class ExpertsToMoE(Rule):
         if matched is None:
             return None
         if isinstance(matched, str):
-            return Kept(f"experts kept: {matched}")
+            return Kept(ReasonCode.FORM, f"experts kept: {matched}")
         if ctx.skips(node):
             return None
         if matched.tokens.dtype not in (ir.DataType.FLOAT, ir.DataType.FLOAT16):
-            return Kept("experts kept: MoE runs float32/float16 only")
+            return Kept(ReasonCode.DTYPE, "experts kept: MoE runs float32/float16 only")
         proven = _prove(ctx, node.outputs[0], matched)
         if isinstance(proven, str):
-            return Kept(f"experts kept: {proven}")
+            return Kept(ReasonCode.NOT_PROVEN, f"experts kept: {proven}")
         normalize, reverse = proven
         e = matched
         builder = Builder(ctx.graph, node, f"epfuse/{node.name or 'experts'}")

@@ -31,6 +31,7 @@ from epfuse.capabilities.emissions import Capability
 from .._evaluate import SubgraphEvaluator, _Unprovable, value_dependencies
 from .._graph import Builder, attr, const_array, ensure_opset, input_at, substitute
 from ..base import Kept, RewriteContext, Rewritten, Rule, Stage
+from ..reasons import ReasonCode
 
 SECTIONED, INTERLEAVED = 0, 1
 _LAYOUT_NAMES = {SECTIONED: "sectioned", INTERLEAVED: "interleaved"}
@@ -299,7 +300,7 @@ class MRopeLowering(Rule):
         if mrope is None:
             return None
         if isinstance(mrope, str):
-            return Kept(f"mRoPE not proven: {mrope}")
+            return Kept(ReasonCode.NOT_PROVEN, f"mRoPE not proven: {mrope}")
         ops = ctx.ops
         if ops.mrotary_embedding and ctx.ep.vendor_ops:
             return self._to_mrotary(node, mrope, ctx)
@@ -307,8 +308,9 @@ class MRopeLowering(Rule):
             return None  # already per-stream constant caches in front of RotaryEmbedding
         if not ops.rotary_embedding:
             return Kept(
+                ReasonCode.EP_UNSUPPORTED,
                 f"{ctx.ep.name} has neither MRotaryEmbedding nor RotaryEmbedding: "
-                "mRoPE stays as exported"
+                "mRoPE stays as exported",
             )
         mixed = _mixed_cos_sin(ctx, node, mrope)
         node.replace_input_with(1, mixed[0])

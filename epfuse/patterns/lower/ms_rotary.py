@@ -29,6 +29,7 @@ from .._graph import attr, ensure_opset, input_at, substitute
 from .._layout import last_dim
 from ..analysis.head_counts import axis_size
 from ..base import Kept, RewriteContext, Rewritten, Rule, Stage
+from ..reasons import ReasonCode
 
 
 class OnnxRotaryToContrib(Rule):
@@ -47,36 +48,45 @@ class OnnxRotaryToContrib(Rule):
     def apply(self, node: ir.Node, ctx: RewriteContext):
         x, cos, sin, positions = (input_at(node, i) for i in range(4))
         if cos is None or sin is None or positions is None:
-            return Kept("RotaryEmbedding without position_ids (per-token cos/sin): no contrib form")
+            return Kept(
+                ReasonCode.NOT_EXPRESSIBLE,
+                "RotaryEmbedding without position_ids (per-token cos/sin): no contrib form",
+            )
         if positions.dtype != ir.DataType.INT64:
-            return Kept("position_ids are not int64")
+            return Kept(ReasonCode.DTYPE, "position_ids are not int64")
         if positions.shape is not None and len(positions.shape) != 2:
-            return Kept("position_ids are not (batch, seq)")
+            return Kept(ReasonCode.SHAPE, "position_ids are not (batch, seq)")
         if cos.shape is None or sin.shape is None or len(cos.shape) != 2:
-            return Kept("cos/sin caches are not 2-D (max_positions, rotary_dim/2)")
+            return Kept(
+                ReasonCode.SHAPE, "cos/sin caches are not 2-D (max_positions, rotary_dim/2)"
+            )
         width = cos.shape[1]
         if not isinstance(width, int) or list(sin.shape) != list(cos.shape):
-            return Kept("cos/sin cache width is not static and equal")
+            return Kept(ReasonCode.SHAPE, "cos/sin cache width is not static and equal")
         if x.shape is None or len(x.shape) not in (3, 4):
-            return Kept("the rotated input is not rank 3 or 4")
+            return Kept(ReasonCode.SHAPE, "the rotated input is not rank 3 or 4")
         if len(x.shape) == 4:
             heads, head_size = x.shape[1], x.shape[3]
             if not isinstance(heads, int) and isinstance(head_size, int):
                 heads = axis_size(x, 1)
             declared = attr(node, "num_heads")
             if declared and isinstance(heads, int) and declared != heads:
-                return Kept("num_heads disagrees with the input's head axis")
+                return Kept(ReasonCode.HEADS, "num_heads disagrees with the input's head axis")
         else:
             heads = attr(node, "num_heads")
             hidden = last_dim(x)
             if not heads or hidden is None or hidden % heads:
-                return Kept("3-D input without a num_heads that divides its width")
+                return Kept(
+                    ReasonCode.HEADS, "3-D input without a num_heads that divides its width"
+                )
             head_size = hidden // heads
         if not isinstance(heads, int) or not isinstance(head_size, int):
-            return Kept("head count or head size is not static")
+            return Kept(ReasonCode.HEADS, "head count or head size is not static")
         rotary_dim = int(attr(node, "rotary_embedding_dim", 0) or 0) or head_size
         if rotary_dim != 2 * width or rotary_dim > head_size:
-            return Kept("rotary_embedding_dim disagrees with the cos/sin cache width")
+            return Kept(
+                ReasonCode.SHAPE, "rotary_embedding_dim disagrees with the cos/sin cache width"
+            )
         interleaved = int(attr(node, "interleaved", 0) or 0)
         ensure_opset(ctx.model, "com.microsoft", 1)
         new = ir.node(

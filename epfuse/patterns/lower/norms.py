@@ -24,6 +24,7 @@ from epfuse.capabilities.emissions import Capability
 
 from .._graph import attr, dim, ensure_opset, input_at, producer, substitute
 from ..base import Kept, RewriteContext, Rewritten, Rule, Stage
+from ..reasons import ReasonCode
 
 _ONNX_DEFAULT_EPS = 1e-5
 
@@ -80,14 +81,14 @@ class _SkipNormFusion(Rule):
         if found is None:
             return None
         if isinstance(found, str):
-            return Kept(found)
+            return Kept(ReasonCode.FORM, found)
         add, a, b = found
         checked = _last_axis_norm(node, self.has_bias)
         if isinstance(checked, str):
-            return Kept(checked)
+            return Kept(ReasonCode.SHAPE, checked)
         _, epsilon = checked
         if len(node.outputs) > 1 and any(o.uses() or o.is_graph_output() for o in node.outputs[1:]):
-            return Kept("the normalization's statistics outputs are used")
+            return Kept(ReasonCode.OUTPUTS_USED, "the normalization's statistics outputs are used")
         params = [input_at(node, 1)]
         if self.has_bias:
             params.append(input_at(node, 2))
@@ -140,13 +141,13 @@ class _RenameNorm(Rule):
     def apply(self, node: ir.Node, ctx: RewriteContext):
         checked = _last_axis_norm(node, False)
         if isinstance(checked, str):
-            return Kept(checked)
+            return Kept(ReasonCode.SHAPE, checked)
         _, epsilon = checked
         if len(node.outputs) > 1 and any(o.uses() or o.is_graph_output() for o in node.outputs[1:]):
-            return Kept("the normalization's extra outputs are used")
+            return Kept(ReasonCode.OUTPUTS_USED, "the normalization's extra outputs are used")
         attributes = {"axis": -1, "epsilon": epsilon, "stash_type": 1}
         if self.target == "RMSNormalization" and ctx.model.opset_imports.get("", 0) < 23:
-            return Kept("RMSNormalization needs opset 23")
+            return Kept(ReasonCode.OPSET, "RMSNormalization needs opset 23")
         new = ir.node(
             self.target,
             [node.inputs[0], input_at(node, 1)],

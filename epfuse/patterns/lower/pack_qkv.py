@@ -26,6 +26,7 @@ from epfuse.capabilities.emissions import Capability
 
 from .._graph import attr, input_at, producer
 from ..base import Kept, RewriteContext, Rewritten, Rule, Stage
+from ..reasons import ReasonCode
 
 
 def _dead(node: ir.Node, depth: int = 8) -> bool:
@@ -130,31 +131,33 @@ class PackQKV(Rule):
             return None
         xs = {id(f[0]) for f in found}
         if len(xs) != 1:
-            return Kept("Q, K and V are projected from different inputs")
+            return Kept(ReasonCode.FORM, "Q, K and V are projected from different inputs")
         heads, kv_heads = attr(node, "num_heads"), attr(node, "kv_num_heads")
         weights = [f[1].const_value for f in found]
         if any(w.shape is None or len(w.shape) != 2 for w in weights):
-            return Kept("a projection weight is not 2-D")
+            return Kept(ReasonCode.SHAPE, "a projection weight is not 2-D")
         widths = [int(w.shape[1]) for w in weights]
         if widths[0] % heads or widths[1] != widths[2]:
-            return Kept("projection widths do not match the GQA heads")
+            return Kept(ReasonCode.HEADS, "projection widths do not match the GQA heads")
         head_size = widths[0] // heads
         if widths[1] != kv_heads * head_size:
-            return Kept("projection widths do not match the GQA heads")
+            return Kept(ReasonCode.HEADS, "projection widths do not match the GQA heads")
         if len({int(w.shape[0]) for w in weights}) != 1 or len({w.dtype for w in weights}) != 1:
-            return Kept("projection weights differ in input width or dtype")
+            return Kept(ReasonCode.SHAPE, "projection weights differ in input width or dtype")
         biases = [f[2] for f in found]
         if any(b is not None for b in biases):
             if any(b is None for b in biases):
-                return Kept("only some of Q, K, V have a bias")
+                return Kept(ReasonCode.FORM, "only some of Q, K, V have a bias")
             tensors = [b.const_value for b in biases]
             if any(
                 t.shape is None or list(t.shape) != [w]
                 for t, w in zip(tensors, widths, strict=True)
             ):
-                return Kept("a projection bias is not 1-D of its projection's width")
+                return Kept(
+                    ReasonCode.SHAPE, "a projection bias is not 1-D of its projection's width"
+                )
             if len({t.dtype for t in tensors}) != 1:
-                return Kept("projection biases differ in dtype")
+                return Kept(ReasonCode.DTYPE, "projection biases differ in dtype")
 
         graph = ctx.graph
         x = found[0][0]

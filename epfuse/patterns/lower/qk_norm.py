@@ -29,6 +29,7 @@ from .._graph import attr, input_at
 from .._layout import last_dim
 from ..analysis.signature import probe_array
 from ..base import Kept, RewriteContext, Rewritten, Rule, Stage
+from ..reasons import ReasonCode
 
 _LAYOUT = ("Reshape", "Transpose")
 _NORMS = ("RMSNormalization", "SimplifiedLayerNormalization")
@@ -156,22 +157,24 @@ class QKNormIntoGQA(Rule):
         if found_q is None and found_k is None:
             return None
         if found_q is None or found_k is None:
-            return Kept("only one of Q and K is normalized ahead of GQA")
+            return Kept(ReasonCode.FORM, "only one of Q and K is normalized ahead of GQA")
         heads, kv_heads = attr(node, "num_heads"), attr(node, "kv_num_heads")
         width = last_dim(found_q[1])
         if width is None or width % heads:
-            return Kept("cannot determine the head size for q/k norm")
+            return Kept(ReasonCode.HEADS, "cannot determine the head size for q/k norm")
         head_size = width // heads
         if last_dim(found_k[1]) != kv_heads * head_size:
-            return Kept("K projection width does not match kv_num_heads * head_size")
+            return Kept(
+                ReasonCode.HEADS, "K projection width does not match kv_num_heads * head_size"
+            )
         params = []
         for (norm, x), value, n in ((found_q, q, heads), (found_k, k, kv_heads)):
             checked = _norm_params(norm, head_size)
             if isinstance(checked, str):
-                return Kept(checked)
+                return Kept(ReasonCode.FORM, checked)
             reason = _prove(ctx.graph, value, norm, x, n, head_size)
             if reason:
-                return Kept(reason)
+                return Kept(ReasonCode.NOT_PROVEN, reason)
             params.append(checked)
         (wq, eq), (wk, ek) = params
         node.replace_input_with(0, found_q[1])

@@ -89,7 +89,7 @@ def test_the_evaluation_decides(lossy):
         assert rope.inputs[1].const_value.shape == (4096, H // 2)
         assert rope.inputs[3].name == "position_ids"
     else:
-        assert isinstance(outcome, Kept) and "do not match" in outcome.reason
+        assert isinstance(outcome, Kept) and "do not match" in outcome.message
         assert len(rope.inputs) == 3 and rope.inputs[1].name == "cos"
 
 
@@ -112,5 +112,5 @@ def test_angles_that_depend_on_another_inputs_shape_are_kept():
     ctx = RewriteContext(model, get_ep("cpu"), "float32", OptimizeOptions(max_seq_len=512))
     rope = next(n for n in model.graph if n.op_type == "RotaryEmbedding")
     outcome = RopeCosSinToCaches().apply(rope, ctx)
-    assert isinstance(outcome, Kept) and "more than the positions" in outcome.reason, outcome
+    assert isinstance(outcome, Kept) and "more than the positions" in outcome.message, outcome
     assert len(rope.inputs) == 3 and rope.inputs[1].name == "cos"

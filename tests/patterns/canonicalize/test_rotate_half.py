@@ -278,7 +278,7 @@ def test_unequal_halves_are_kept(halves):
     """cos = Cos(Concat(f, g)) with g != f is not [c, c]: its first half would be wrong."""
     ir_model, ctx = _ctx(_graph(Variant(halves=halves)))
     outcome = RotateHalfToRotaryEmbedding().apply(_rope_add(ir_model), ctx)
-    assert isinstance(outcome, Kept) and "halves" in outcome.reason
+    assert isinstance(outcome, Kept) and "halves" in outcome.message
     assert not any(n.op_type == "RotaryEmbedding" for n in ir_model.graph)
     assert ir_model.opset_imports[""] == 18
 
@@ -287,7 +287,7 @@ def test_interleaved_rotation_with_concatenated_halves_is_kept():
     """An interleaved rotation needs [c0, c0, c1, c1, ...]; Concat(f, f) is [c, c]."""
     ir_model, ctx = _ctx(_graph(Variant(interleaved=True, interleaved_cos=False)))
     outcome = RotateHalfToRotaryEmbedding().apply(_rope_add(ir_model), ctx)
-    assert isinstance(outcome, Kept) and "halves" in outcome.reason
+    assert isinstance(outcome, Kept) and "halves" in outcome.message
     assert not any(n.op_type == "RotaryEmbedding" for n in ir_model.graph)
 
 
@@ -350,7 +350,7 @@ def test_pairs_that_are_not_repeated_are_kept():
     v = Variant(freqs_form="matmul", interleaved=True, pair_form="wrong")
     ir_model, ctx = _ctx(_graph(v))
     outcome = RotateHalfToRotaryEmbedding().apply(_rope_add(ir_model), ctx)
-    assert isinstance(outcome, Kept) and "do not match" in outcome.reason, outcome
+    assert isinstance(outcome, Kept) and "do not match" in outcome.message, outcome
     assert not any(n.op_type == "RotaryEmbedding" for n in ir_model.graph)
     assert ir_model.opset_imports[""] == 18
 
@@ -358,5 +358,5 @@ def test_pairs_that_are_not_repeated_are_kept():
 def test_tables_that_are_not_two_halves_are_kept():
     ir_model, ctx = _ctx(_graph(Variant(table="uneven")))
     outcome = RotateHalfToRotaryEmbedding().apply(_rope_add(ir_model), ctx)
-    assert isinstance(outcome, Kept) and "tables are not two equal halves" in outcome.reason
+    assert isinstance(outcome, Kept) and "tables are not two equal halves" in outcome.message
     assert not any(n.op_type == "RotaryEmbedding" for n in ir_model.graph)

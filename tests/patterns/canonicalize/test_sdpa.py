@@ -192,7 +192,7 @@ def test_refuses_without_proof(name):
     v, reason = KEPT[name]
     original = _graph(v)
     fused, outcome = _apply(original)
-    assert isinstance(outcome, Kept) and reason in outcome.reason
+    assert isinstance(outcome, Kept) and reason in outcome.message
     proto = ir.to_proto(fused)
     assert [n.op_type for n in proto.graph.node] == [n.op_type for n in original.graph.node]
     assert proto.opset_import[0].version == 18  # nothing changed, not even the opset
@@ -209,7 +209,7 @@ def test_softcap_lifted_whatever_the_ep():
 
 def test_wrong_transpose_is_not_attention():
     fused, outcome = _apply(_graph(Variant(k_transpose="wrong_perm")))
-    assert isinstance(outcome, Kept) and "last two axes" in outcome.reason
+    assert isinstance(outcome, Kept) and "last two axes" in outcome.message
     assert not any(n.op_type == "Attention" for n in fused.graph)
 
 
@@ -228,7 +228,7 @@ def test_refuses_when_the_opset_cannot_be_raised():
     )
     model.graph.output.append(helper.make_tensor_value_info("gn", TensorProto.FLOAT, None))
     fused, outcome = _apply(model)
-    assert isinstance(outcome, Kept) and "GroupNormalization" in outcome.reason
+    assert isinstance(outcome, Kept) and "GroupNormalization" in outcome.message
     assert fused.opset_imports[""] == 18
     assert not any(n.op_type == "Attention" for n in fused.graph)
 
