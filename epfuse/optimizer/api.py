@@ -6,7 +6,7 @@ import json
 import numbers
 import os
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import TypeVar, overload
 
 import onnx
@@ -19,7 +19,7 @@ from epfuse.errors import (
     UnsupportedModelError,
     VerificationError,
 )
-from epfuse.patterns import OptimizeOptions, ReasonCode
+from epfuse.patterns import RULES, OptimizeOptions, ReasonCode, Rule
 from epfuse.patterns.analysis.signature import DecoderSignature
 
 from .io import load_model
@@ -67,6 +67,7 @@ def optimize_with_report(
     int4: Int4Options | None = None,
     kv_cache: str | None = None,
     model_max_positions: int | None = None,
+    rules: Sequence[Rule] = RULES,
 ):
     """Optimize and return ``(optimized_model, report)``.
 
@@ -88,6 +89,9 @@ def optimize_with_report(
     The report is also stored as JSON in the output's ``metadata_props["epfuse.report"]``.
 
     ``skip_layers``: attention layers (report indices) that no lowering may touch.
+
+    ``rules``: the rule set every run of the pass manager uses (default
+    :data:`epfuse.patterns.RULES`): a caller or test runs its own set without patching.
 
     ``verify=True`` compares the result with the original on ORT CPU
     (:func:`epfuse.optimizer.verify.compare_models`, default scenarios, lengths past any
@@ -178,7 +182,7 @@ def optimize_with_report(
                 check_rewrites=checked,
             )
             try:
-                report = PassManager().run(work, record, dtype, options, precision=plan)
+                report = PassManager(tuple(rules)).run(work, record, dtype, options, precision=plan)
                 break
             except RewriteFailure as failure:
                 if failure.rule is None and not checked:
@@ -222,7 +226,7 @@ def optimize_with_report(
     if original is not None:
         reference, tolerance, strict = original, None, False
         if plan.changes_numerics:
-            reference = _reference(original, record, dtype, plan, max_seq_len)
+            reference = _reference(original, record, dtype, plan, max_seq_len, rules)
             tolerance = _plan_tolerance(plan, kv_int8)
             strict = plan.int4 is not None and plan.int4.accuracy_level == 4
         work, report = _verified(reference, work, report, run, skip_layers, tolerance, strict)
@@ -387,13 +391,18 @@ def _require_fusion(report: Report) -> None:
 
 
 def _reference(
-    original: onnx.ModelProto, record, dtype: str, plan: PrecisionPlan, max_seq_len: int
+    original: onnx.ModelProto,
+    record,
+    dtype: str,
+    plan: PrecisionPlan,
+    max_seq_len: int,
+    rules: Sequence[Rule],
 ) -> onnx.ModelProto:
     """The unfused model converted/quantized as ``plan`` says: what a low-precision result is
     verified against (canonicalization is exact; the PRECISION stage is the same code)."""
     model = ir.serde.deserialize_model(original)
     options = OptimizeOptions(max_seq_len=max_seq_len)
-    PassManager().run(model, record, dtype, options, precision=plan, lower=False)
+    PassManager(tuple(rules)).run(model, record, dtype, options, precision=plan, lower=False)
     return ir.to_proto(model)
 
 

@@ -17,6 +17,7 @@ from epfuse.optimizer.manager import PassManager
 from epfuse.optimizer.verify import compare_models
 from epfuse.patterns import RULES, Rewritten
 from epfuse.patterns.lower.gqa import AttentionToGQA
+from epfuse.patterns.reasons import ReasonCode
 
 
 def _gqa(model: onnx.ModelProto) -> list[onnx.NodeProto]:
@@ -43,15 +44,11 @@ class _FlipInterleaved(AttentionToGQA):
         return outcome
 
 
-@pytest.fixture
-def defective_lowering(monkeypatch):
-    def install(bad_layers: set[int]) -> None:
-        rules = tuple(
-            _FlipInterleaved(bad_layers) if isinstance(r, AttentionToGQA) else r for r in RULES
-        )
-        monkeypatch.setattr(api, "PassManager", lambda: PassManager(rules))
-
-    return install
+def defective_rules(bad_layers: set[int]) -> tuple:
+    """RULES with a GQA lowering that breaks ``bad_layers``, for ``optimize(rules=...)``."""
+    return tuple(
+        _FlipInterleaved(bad_layers) if isinstance(r, AttentionToGQA) else r for r in RULES
+    )
 
 
 def test_skip_layers_keeps_those_layers_standard():
@@ -73,26 +70,27 @@ def test_verify_passes_through_a_correct_model():
     assert epfuse.read_report(optimized).verification == report.verification
 
 
-def test_verify_rolls_back_only_the_broken_layer(defective_lowering):
+def test_verify_rolls_back_only_the_broken_layer():
     cfg = DecoderConfig(layers=3, interleaved=True)
     original = build_decoder(cfg)
-    defective_lowering({1})
-    unverified = epfuse.optimize(original, "cpu")
+    rules = defective_rules({1})
+    unverified = epfuse.optimize(original, "cpu", rules=rules)
     assert not compare_models(original, unverified).passed  # the defect is real
-    optimized, report = epfuse.optimize_with_report(original, "cpu", verify=True)
+    optimized, report = epfuse.optimize_with_report(original, "cpu", verify=True, rules=rules)
     assert [layer.fused for layer in report.layers] == [True, False, True]
     assert report.layers[1].result == "Attention (kept)"
     (reason,) = report.layers[1].reasons
+    assert report.layers[1].codes == [ReasonCode.ROLLED_BACK]
     assert reason.startswith("rolled back: failed verification (max err ")
     assert "passed after rolling back layer(s) 1" in report.verification
     assert len(_gqa(optimized)) == 2
     assert compare_models(original, optimized).passed
 
 
-def test_verify_rolls_back_every_broken_layer(defective_lowering):
+def test_verify_rolls_back_every_broken_layer():
     original = build_decoder(DecoderConfig(layers=3, interleaved=True))
-    defective_lowering({0, 2})
-    optimized, report = epfuse.optimize_with_report(original, "cpu", verify=True)
+    rules = defective_rules({0, 2})
+    optimized, report = epfuse.optimize_with_report(original, "cpu", verify=True, rules=rules)
     assert [layer.fused for layer in report.layers] == [False, True, False]
     assert compare_models(original, optimized).passed
 
@@ -121,10 +119,14 @@ def test_verify_needs_an_original_that_runs_on_cpu():
         epfuse.optimize(original, "cuda", verify=True)
 
 
-def test_cli_optimize_verify(tmp_path, capsys, defective_lowering):
+def test_cli_optimize_verify(tmp_path, capsys, monkeypatch):
     source = tmp_path / "m.onnx"
     onnx.save(build_decoder(DecoderConfig(layers=2, interleaved=True)), source)
-    defective_lowering({0})
+    # The CLI has no rule-set option: give its optimize call the defective rules.
+    real = api.optimize_with_report
+    monkeypatch.setattr(
+        api, "optimize_with_report", lambda *a, **kw: real(*a, **kw, rules=defective_rules({0}))
+    )
     assert main(["optimize", str(source), "-o", str(tmp_path / "o.onnx"), "--verify"]) == 0
     out = capsys.readouterr().out
     assert "rolled back: failed verification" in out
