@@ -12,6 +12,7 @@ from .canonicalize.rope_caches import RopeCosSinToCaches
 from .canonicalize.rotate_half import RotateHalfToRotaryEmbedding
 from .canonicalize.sdpa import DecomposedAttentionToAttention
 from .canonicalize.shape_of_same_shape import ShapeOfSameShapeOp
+from .canonicalize.single_input_concat import SingleInputConcat
 from .canonicalize.split_rotary import SplitHalvesToRotaryEmbedding
 from .legalize.expand import ExpandAttention, ExpandRMSNormalization, ExpandRotaryEmbedding
 from .legalize.skip_norm import SkipSimplifiedToAddRMSNorm
@@ -30,6 +31,7 @@ from .lower.qk_norm import QKNormIntoGQA
 from .reasons import ReasonCode
 
 RULES: tuple[Rule, ...] = (
+    SingleInputConcat(),
     DecomposedAttentionToAttention(),
     AttentionSinksToAttention(),
     RotateHalfToRotaryEmbedding(),
