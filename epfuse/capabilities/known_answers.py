@@ -46,10 +46,11 @@ def _run(
     return session.run(outputs, inputs)
 
 
-def _rope(x: np.ndarray, pos: np.ndarray, interleaved: bool, rotary: int = _H) -> np.ndarray:
-    """x (B, heads, S, H) rotated at positions pos (S,), float64."""
+def rotate(x: np.ndarray, pos: np.ndarray, interleaved: bool, rotary: int = _H) -> np.ndarray:
+    """The reference RoPE: x (B, heads, S, H) rotated at positions ``pos`` (S,) or (B, S)
+    (base 10000, the first ``rotary`` channels of each head), in float64."""
     inv = 1.0 / 10000 ** (np.arange(0, rotary, 2) / rotary)
-    ang = pos[:, None] * inv[None]
+    ang = np.expand_dims(pos, -2)[..., None] * inv  # (1 | B, 1, S, rotary / 2)
     cos, sin = np.cos(ang), np.sin(ang)
     rot, rest = x[..., :rotary], x[..., rotary:]
     if interleaved:
@@ -139,7 +140,7 @@ def _gqa_case(
         )
         names += ["cos", "sin", "pos"]
         attrs["rotary_interleaved"] = int(interleaved)
-        q64, k64 = _rope(q64, pos, interleaved), _rope(k64, pos, interleaved)
+        q64, k64 = rotate(q64, pos, interleaved), rotate(k64, pos, interleaved)
     if qk_norm:
         names += [""] * (14 - len(names)) + ["wq", "wk"]
     sinks = None
@@ -235,7 +236,7 @@ def _rope_case(dtype, provider, contrib: bool):
         node = helper.make_node("RotaryEmbedding", ["x", "cos", "sin", "pos"], ["y"], **attrs)
     (got,) = _run([node], feeds, ["y"], provider)
     ref = np.stack(
-        [_rope(x[b : b + 1].astype(np.float64), pos[b], True, rotary)[0] for b in range(_B)]
+        [rotate(x[b : b + 1].astype(np.float64), pos[b], True, rotary)[0] for b in range(_B)]
     )
     return got, _bsd(ref)
 

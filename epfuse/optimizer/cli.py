@@ -348,16 +348,7 @@ def _optimize(args: argparse.Namespace) -> int:
     with _deferred_signals():
         from epfuse.optimizer.api import optimize_with_report
 
-    model, report = optimize_with_report(
-        source,
-        record,
-        max_seq_len=args.max_seq_len,
-        verify=args.verify,
-        require_fusion=args.require_fusion,
-        precision=args.precision_plan[0],
-        int4=args.precision_plan[1],
-        kv_cache=args.kv_cache,
-    )
+    model, report = optimize_with_report(source, record, **_optimize_options(args))
     save_model(model, output, protected=protected)
     if args.report:
         try:
@@ -370,6 +361,19 @@ def _optimize(args: argparse.Namespace) -> int:
     print(report.summary())
     print(f"\nwrote {output}")
     return 0
+
+
+def _optimize_options(args: argparse.Namespace) -> dict:
+    """The optimize() options both output forms (a model file, a genai package) take from
+    the command line."""
+    return dict(
+        max_seq_len=args.max_seq_len,
+        verify=args.verify,
+        require_fusion=args.require_fusion,
+        precision=args.precision_plan[0],
+        int4=args.precision_plan[1],
+        kv_cache=args.kv_cache,
+    )
 
 
 def _optimize_genai(args: argparse.Namespace, record, source: Path, protected) -> int:
@@ -388,12 +392,7 @@ def _optimize_genai(args: argparse.Namespace, record, source: Path, protected) -
     model, report = optimize_with_report(
         source,
         record,
-        max_seq_len=args.max_seq_len,
-        verify=args.verify,
-        require_fusion=args.require_fusion,
-        precision=args.precision_plan[0],
-        int4=args.precision_plan[1],
-        kv_cache=args.kv_cache,
+        **_optimize_options(args),
         model_max_positions=(hf_text or {}).get("max_position_embeddings"),
     )
     made = not outdir.exists()

@@ -10,6 +10,7 @@ bundled 2-layer example.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -22,6 +23,7 @@ from pathlib import Path
 
 import onnx
 import pytest
+from external_data import symlinked_data_model
 from onnx import TensorProto, helper
 
 import epfuse
@@ -71,21 +73,7 @@ def inputs(tmp_path_factory) -> Path:
     optimized = epfuse.optimize(onnx.load(str(EXAMPLE_MODEL)), "cpu")
     onnx.save(optimized, str(d / "tiny.cpu.onnx"))
     # External data through a symlinked folder pointing outside the model's folder.
-    outside = tmp_path_factory.mktemp("outside")
-    onnx.save(
-        onnx.load(str(EXAMPLE_MODEL)),
-        str(outside / "s.onnx"),
-        save_as_external_data=True,
-        location="w.data",
-    )
-    (d / "linked").mkdir()
-    (d / "linked" / "weights").symlink_to(outside, target_is_directory=True)
-    sym = onnx.load(str(outside / "s.onnx"), load_external_data=False)
-    for tensor in sym.graph.initializer:
-        for entry in tensor.external_data:
-            if entry.key == "location":
-                entry.value = "weights/w.data"
-    onnx.save(sym, str(d / "linked" / "s.onnx"))
+    symlinked_data_model(EXAMPLE_MODEL, tmp_path_factory.mktemp("outside"), d / "linked")
     # Hugging Face folders: right, wrong architecture, empty, not JSON.
     gqa = next(n for n in optimized.graph.node if n.op_type == "GroupQueryAttention")
     heads = next(a.i for a in gqa.attribute if a.name == "num_heads")
@@ -124,6 +112,12 @@ def _epfuse(args, cwd, **kwargs):
         check=False,
         **kwargs,
     )
+
+
+@pytest.fixture
+def case(inputs, input_hashes, tmp_path):
+    """One CLI case run in the test's folder against the battery's inputs (see ``_case``)."""
+    return functools.partial(_case, inputs, input_hashes, tmp_path)
 
 
 def _case(
@@ -176,10 +170,8 @@ def _case(
 # ----------------------------------------------------------------------------- data loss
 
 
-def test_report_path_is_input_output_or_data(inputs, input_hashes, tmp_path):
-    run = lambda args, err, copy=(): _case(  # noqa: E731
-        inputs, input_hashes, tmp_path, args, rc=1, err=err, copy=copy
-    )
+def test_report_path_is_input_output_or_data(case):
+    run = lambda args, err, copy=(): case(args, rc=1, err=err, copy=copy)  # noqa: E731
     run(
         ["optimize", "tiny.onnx", "-o", "o.onnx", "--report", "tiny.onnx"],
         "cannot write tiny.onnx: refusing to overwrite the input model",
@@ -195,11 +187,8 @@ def test_report_path_is_input_output_or_data(inputs, input_hashes, tmp_path):
     )
 
 
-def test_output_data_never_overwrites_input_data(inputs, input_hashes, tmp_path):
-    done = _case(
-        inputs,
-        input_hashes,
-        tmp_path,
+def test_output_data_never_overwrites_input_data(case, tmp_path):
+    done = case(
         ["optimize", "a.onnx", "-o", "b.onnx"],
         rc=0,
         copy=("a.onnx", "b.onnx.data"),
@@ -214,28 +203,22 @@ def test_output_data_never_overwrites_input_data(inputs, input_hashes, tmp_path)
         e.value for t in out.graph.initializer for e in t.external_data if e.key == "location"
     }
     assert locations == {"b.onnx.epfuse.data"}
-    _case(
-        inputs,
-        input_hashes,
-        tmp_path,
+    case(
         ["optimize", "a.onnx", "-o", "b.onnx.data"],
         rc=1,
         err="cannot write b.onnx.data: the input model reads its weights from it",
     )
 
 
-def test_failed_report_write_leaves_nothing(inputs, input_hashes, tmp_path):
-    _case(
-        inputs,
-        input_hashes,
-        tmp_path,
+def test_failed_report_write_leaves_nothing(case):
+    case(
         ["optimize", "@tiny.onnx", "-o", "out.onnx", "--report", "no/such/r.json"],
         rc=1,
         err="cannot write no/such/r.json: no such directory no/such",
     )
 
 
-def test_stale_temp_entries_are_cleaned(inputs, input_hashes, tmp_path):
+def test_stale_temp_entries_are_cleaned(inputs, tmp_path):
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     stale = tmp_path / f".epfuse-tmp-{dead.pid}-abcd1234"
@@ -301,18 +284,15 @@ def test_signal_during_startup_is_one_line(inputs, input_hashes, tmp_path, sig, 
 # -------------------------------------------------------------------- wrong results as fine
 
 
-def test_all_external_small_constants_fuse_like_inline(inputs, input_hashes, tmp_path):
-    done = _case(inputs, input_hashes, tmp_path, ["optimize", "@t0.onnx", "-o", "o.onnx"], rc=0)
+def test_all_external_small_constants_fuse_like_inline(case):
+    done = case(["optimize", "@t0.onnx", "-o", "o.onnx"], rc=0)
     assert "2 of 2 attention layers fused" in done.stdout
     assert done.stderr == ""  # no logged shape-inference traceback
 
 
 @pytest.mark.parametrize("ep", ["default", "dml"])
-def test_retarget_optimized_model_is_refused(inputs, input_hashes, tmp_path, ep):
-    done = _case(
-        inputs,
-        input_hashes,
-        tmp_path,
+def test_retarget_optimized_model_is_refused(case, ep):
+    done = case(
         ["optimize", "@tiny.cpu.onnx", "-o", "o.onnx", "--ep", ep, "--report", "r.json"],
         rc=1,
         err=f"{ep} does not run com.microsoft::GroupQueryAttention",
@@ -320,19 +300,16 @@ def test_retarget_optimized_model_is_refused(inputs, input_hashes, tmp_path, ep)
     assert f"epfuse: error: cannot re-target this model to {ep} (" in done.stderr
 
 
-def test_hf_config_checked_against_graph(inputs, input_hashes, tmp_path):
+def test_hf_config_checked_against_graph(case, tmp_path):
     base = ["optimize", "@tiny.onnx", "-o", "pkg", "--genai", "--hf-config"]
-    _case(
-        inputs,
-        input_hashes,
-        tmp_path,
+    case(
         [*base, "@hf_wrong"],
         rc=1,
         err="does not describe this model: num_hidden_layers 26 (the graph has 2)",
     )
-    _case(inputs, input_hashes, tmp_path, [*base, "@hf_empty"], rc=1, err="describes no decoder")
-    _case(inputs, input_hashes, tmp_path, [*base, "@hf_notjson"], rc=1, err="not a JSON file")
-    done = _case(inputs, input_hashes, tmp_path, [*base, "@hf_good"], rc=0)
+    case([*base, "@hf_empty"], rc=1, err="describes no decoder")
+    case([*base, "@hf_notjson"], rc=1, err="not a JSON file")
+    done = case([*base, "@hf_good"], rc=0)
     config = json.loads((tmp_path / "pkg" / "genai_config.json").read_text())
     assert config["model"]["decoder"]["num_hidden_layers"] == 2
     # --max-seq-len 4096 is above the config's max_position_embeddings 64: warned.
@@ -344,7 +321,7 @@ def test_hf_config_checked_against_graph(inputs, input_hashes, tmp_path):
 # -------------------------------------------------------------------------------- errors
 
 
-def test_unwritable_outputs_are_user_errors(inputs, input_hashes, tmp_path):
+def test_unwritable_outputs_are_user_errors(case, tmp_path):
     (tmp_path / "adir").mkdir()
     (tmp_path / "afile").write_text("x")
     for args, err in [
@@ -353,67 +330,52 @@ def test_unwritable_outputs_are_user_errors(inputs, input_hashes, tmp_path):
         (["-o", "afile/x.onnx"], "cannot write afile/x.onnx: afile is not a directory"),
         (["-o", "o.onnx", "--report", "missing/r.json"], "no such directory missing"),
     ]:
-        _case(inputs, input_hashes, tmp_path, ["optimize", "@tiny.onnx", *args], rc=1, err=err)
+        case(["optimize", "@tiny.onnx", *args], rc=1, err=err)
 
 
-def test_symlinked_external_data_folder_is_refused(inputs, input_hashes, tmp_path):
-    _case(
-        inputs,
-        input_hashes,
-        tmp_path,
+def test_symlinked_external_data_folder_is_refused(case):
+    case(
         ["optimize", "@linked/s.onnx", "-o", "o.onnx"],
         rc=1,
         err="lies outside the model's folder",
     )
 
 
-def test_max_seq_len_validated(inputs, input_hashes, tmp_path):
+def test_max_seq_len_validated(case):
     for value in ["2.5", "0"]:  # (the parser's type: more values in test_cli)
-        done = _case(
-            inputs,
-            input_hashes,
-            tmp_path,
+        done = case(
             ["optimize", "@tiny.onnx", "-o", "o.onnx", "--max-seq-len", value],
             rc=2,
         )
         assert f"expected a positive integer, got '{value}'" in done.stderr
-    _case(
-        inputs,
-        input_hashes,
-        tmp_path,
+    case(
         ["optimize", "@tiny.onnx", "-o", "o.onnx", "--max-seq-len", "99999999999"],
         rc=1,
         err="is above 2147483647",
     )
-    _case(
-        inputs,
-        input_hashes,
-        tmp_path,
+    case(
         ["optimize", "@tiny.onnx", "-o", "o.onnx", "--max-seq-len", "2000000000"],
         rc=1,
         err="the limit here is",
     )
 
 
-def test_verify_cannot_compare_is_exit_1_both_ways(inputs, input_hashes, tmp_path):
+def test_verify_cannot_compare_is_exit_1_both_ways(case):
     for pair in (["@tiny.onnx", "@mlp.onnx"], ["@mlp.onnx", "@tiny.onnx"]):
-        _case(inputs, input_hashes, tmp_path, ["verify", *pair], rc=1, err="cannot compare")
+        case(["verify", *pair], rc=1, err="cannot compare")
 
 
-def test_usage_debug_and_paths(inputs, input_hashes, tmp_path):
-    done = _case(inputs, input_hashes, tmp_path, [], rc=2)
+def test_usage_debug_and_paths(case, tmp_path):
+    done = case([], rc=2)
     assert "usage: epfuse" in done.stderr
     # --debug before the subcommand is honoured: an internal error would now raise; a user
     # error stays one line.
-    done = _case(
-        inputs,
-        input_hashes,
-        tmp_path,
+    done = case(
         ["--debug", "optimize", "@op9999.onnx", "-o", "o.onnx"],
         rc=1,
         err="input opset 9999 unsupported",
     )
-    done = _case(inputs, input_hashes, tmp_path, ["optimize", "@tiny.onnx", "-o", "newdir/"], rc=0)
+    done = case(["optimize", "@tiny.onnx", "-o", "newdir/"], rc=0)
     assert (tmp_path / "newdir" / "tiny.cpu.onnx").is_file()
 
 

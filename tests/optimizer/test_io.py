@@ -13,6 +13,7 @@ import sys
 import onnx
 import onnx_ir as ir
 import pytest
+from external_data import symlinked_data_model
 
 import epfuse
 from epfuse.errors import (
@@ -101,24 +102,9 @@ def test_output_data_name_avoids_input_files(tmp_path, example_model):
 
 
 def test_symlinked_data_folder_refused_by_the_api(tmp_path, example_model):
-    outside = tmp_path / "outside"
-    outside.mkdir()
-    onnx.save(
-        onnx.load(str(example_model)),
-        str(outside / "s.onnx"),
-        save_as_external_data=True,
-        location="w.data",
-    )
-    (tmp_path / "m").mkdir()
-    (tmp_path / "m" / "weights").symlink_to(outside, target_is_directory=True)
-    proto = onnx.load(str(outside / "s.onnx"), load_external_data=False)
-    for tensor in proto.graph.initializer:
-        for entry in tensor.external_data:
-            if entry.key == "location":
-                entry.value = "weights/w.data"
-    onnx.save(proto, str(tmp_path / "m" / "s.onnx"))
+    linked = symlinked_data_model(example_model, tmp_path / "outside", tmp_path / "m")
     with pytest.raises(ModelLoadError, match="lies outside the model's folder"):
-        epfuse.optimize(tmp_path / "m" / "s.onnx")
+        epfuse.optimize(linked)
 
 
 def test_small_external_tensors_are_loaded(tmp_path, example_model):

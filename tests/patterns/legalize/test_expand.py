@@ -10,6 +10,7 @@ import onnx_ir as ir
 import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
+from rope_models import B, H, N, S, rope_model
 
 from epfuse.capabilities import get_ep
 from epfuse.optimizer.manager import _infer_types
@@ -127,28 +128,8 @@ def test_attention_expansion_equals_the_kernel(form, elem):
 @pytest.mark.parametrize("layout", ["bnsh", "bsd"])
 @pytest.mark.parametrize(("rotary", "interleaved"), [(16, 0), (8, 1), (8, 0)])
 def test_rotary_expansion_equals_the_kernel(layout, rotary, interleaved):
-    B, N, S, H, M = 2, 3, 5, 16, 32
+    model = rope_model(layout, rotary, interleaved)
     x_shape = [B, N, S, H] if layout == "bnsh" else [B, S, N * H]
-    angles = np.arange(M)[:, None] * (1 / 10000 ** (np.arange(0, rotary, 2) / rotary))[None]
-    inits = [
-        onnx.numpy_helper.from_array(np.cos(angles).astype(np.float32), "cos"),
-        onnx.numpy_helper.from_array(np.sin(angles).astype(np.float32), "sin"),
-    ]
-    attrs = {"interleaved": interleaved}
-    if rotary != H:
-        attrs["rotary_embedding_dim"] = rotary
-    if layout == "bsd":
-        attrs["num_heads"] = N
-    node = helper.make_node("RotaryEmbedding", ["x", "cos", "sin", "pos"], ["y"], **attrs)
-    model = _model(
-        node,
-        [
-            helper.make_tensor_value_info("x", TensorProto.FLOAT, x_shape),
-            helper.make_tensor_value_info("pos", TensorProto.INT64, [B, S]),
-        ],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, x_shape)],
-        inits,
-    )
     feeds = {
         "x": _tensor(x_shape, TensorProto.FLOAT),
         "pos": np.array([[0, 1, 2, 3, 4], [7, 9, 11, 12, 30]], np.int64),

@@ -4,67 +4,25 @@ known answers on ORT CPU for both layouts, full/partial and both pairings."""
 from __future__ import annotations
 
 import numpy as np
-import onnx
 import onnx_ir as ir
 import onnxruntime as ort
 import pytest
 from model_builder import DecoderConfig, build_decoder
-from onnx import TensorProto, helper
+from rope_models import B, H, M, N, S, rope_model
 
 import epfuse
 from epfuse.capabilities import get_ep
+from epfuse.capabilities.known_answers import rotate
 from epfuse.optimizer.manager import PassManager
 from epfuse.optimizer.verify import assert_equivalent
 from epfuse.patterns import OptimizeOptions
-
-B, N, S, H, M = 2, 3, 5, 16, 32
-
-
-def _rope_model(layout: str, rotary: int, interleaved: int) -> onnx.ModelProto:
-    x_shape = [B, N, S, H] if layout == "bnsh" else [B, S, N * H]
-    angles = np.arange(M)[:, None] * (1 / 10000 ** (np.arange(0, rotary, 2) / rotary))[None]
-    inits = [
-        onnx.numpy_helper.from_array(np.cos(angles).astype(np.float32), "cos"),
-        onnx.numpy_helper.from_array(np.sin(angles).astype(np.float32), "sin"),
-    ]
-    attrs = {"interleaved": interleaved}
-    if rotary != H:
-        attrs["rotary_embedding_dim"] = rotary
-    if layout == "bsd":
-        attrs["num_heads"] = N
-    node = helper.make_node("RotaryEmbedding", ["x", "cos", "sin", "pos"], ["y"], **attrs)
-    graph = helper.make_graph(
-        [node],
-        "rope",
-        [
-            helper.make_tensor_value_info("x", TensorProto.FLOAT, x_shape),
-            helper.make_tensor_value_info("pos", TensorProto.INT64, [B, S]),
-        ],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, x_shape)],
-        initializer=inits,
-    )
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23)], ir_version=10)
-
-
-def _numpy_rope(x_bnsh, pos, rotary, interleaved):
-    inv = 1 / 10000 ** (np.arange(0, rotary, 2) / rotary)
-    ang = pos[:, None, :, None] * inv  # (B, 1, S, R/2)
-    cos, sin = np.cos(ang), np.sin(ang)
-    rot, rest = x_bnsh[..., :rotary], x_bnsh[..., rotary:]
-    if interleaved:
-        a, b = rot[..., 0::2], rot[..., 1::2]
-        out = np.stack([a * cos - b * sin, b * cos + a * sin], -1).reshape(rot.shape)
-    else:
-        a, b = rot[..., : rotary // 2], rot[..., rotary // 2 :]
-        out = np.concatenate([a * cos - b * sin, b * cos + a * sin], -1)
-    return np.concatenate([out, rest], -1)
 
 
 @pytest.mark.parametrize("layout", ["bnsh", "bsd"])
 @pytest.mark.parametrize("rotary", [H, 8])
 @pytest.mark.parametrize("interleaved", [0, 1])
 def test_contrib_rope_known_answer(layout, rotary, interleaved):
-    original = _rope_model(layout, rotary, interleaved)
+    original = rope_model(layout, rotary, interleaved)
     model = ir.serde.deserialize_model(original)
     PassManager().run(model, get_ep("dml"), "float32", OptimizeOptions())
     lowered = ir.to_proto(model)
@@ -83,12 +41,12 @@ def test_contrib_rope_known_answer(layout, rotary, interleaved):
     )[0]
     if layout == "bsd":
         got = got.reshape(B, S, N, H).transpose(0, 2, 1, 3)
-    expected = _numpy_rope(x_bnsh, pos, rotary, interleaved)
+    expected = rotate(x_bnsh, pos, interleaved, rotary)
     np.testing.assert_allclose(got, expected, atol=1e-5, rtol=1e-5)
 
 
 def test_cpu_keeps_onnx_rotary():
-    model = ir.serde.deserialize_model(_rope_model("bsd", H, 0))
+    model = ir.serde.deserialize_model(rope_model("bsd", H, 0))
     report = PassManager().run(model, get_ep("cpu"), "float32", OptimizeOptions())
     assert [n.domain for n in model.graph] == [""]
     rule = next(r for r in report.rules if r.name == "rotary-embedding-to-contrib")
