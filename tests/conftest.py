@@ -17,27 +17,19 @@ sys.path.insert(0, str(TESTS))  # `import model_builder` from any test folder
 # "dev" draws fresh random examples; "thorough" is for a long hunt before a release.
 # Choose one with `pytest --hypothesis-profile=NAME` (hypothesis's pytest plugin) or the
 # HYPOTHESIS_PROFILE environment variable; the command-line flag wins.
+_COMMON_PROFILE = dict(deadline=None, print_blob=True)
 settings.register_profile(
     "ci",
     derandomize=True,
     max_examples=25,
-    deadline=None,
-    print_blob=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    **_COMMON_PROFILE,
 )
 settings.register_profile(
-    "dev",
-    max_examples=25,
-    deadline=None,
-    print_blob=True,
-    suppress_health_check=[HealthCheck.too_slow],
+    "dev", max_examples=25, suppress_health_check=[HealthCheck.too_slow], **_COMMON_PROFILE
 )
 settings.register_profile(
-    "thorough",
-    max_examples=300,
-    deadline=None,
-    print_blob=True,
-    suppress_health_check=[HealthCheck.too_slow],
+    "thorough", max_examples=300, suppress_health_check=[HealthCheck.too_slow], **_COMMON_PROFILE
 )
 DEFAULT_PROFILE = "ci"
 

@@ -29,3 +29,16 @@ class ProtoGraph:
         outs = [out] if n_out == 1 else [f"{out}_{i}" for i in range(n_out)]
         self.nodes.append(helper.make_node(op_type, list(inputs), outs, **attrs))
         return out if n_out == 1 else outs
+
+
+def run_unoptimized(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> np.ndarray:
+    """The model's first output on ORT CPU with graph optimizations off, so a rule's test
+    compares the graph as written (ORT's own fusions would otherwise rewrite both sides)."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    session = ort.InferenceSession(
+        model.SerializeToString(), options, providers=["CPUExecutionProvider"]
+    )
+    return session.run(None, feeds)[0]

@@ -571,15 +571,9 @@ def _scenario_list(result) -> str:
 
 def _worst(result) -> str:
     """'max err X on OUTPUT in SCENARIO' for the worst failing comparison (or the error)."""
-    worst = None
-    for scenario in result.scenarios:
-        if scenario.error:
-            return f"{scenario.name}: {scenario.error}"
-        for c in scenario.comparisons:
-            if not c.passed and (worst is None or c.ratio > worst.ratio):
-                worst = c
-    if worst is None:
-        return "no comparison failed"
+    worst = result.worst_failure()
+    if worst is None or isinstance(worst, str):
+        return worst or "no comparison failed"
     return f"max err {worst.max_abs_err:.3g} on {worst.output} in {worst.scenario}"
 
 

@@ -111,6 +111,27 @@ def _roi_align_mode(node: ir.Node) -> None:
 _TYPES = "adds tensor types only"
 _BF16 = "adds bfloat16 (and other) types only"
 
+# The ops that take each new small type: the 4-bit integers (21), then float4, float8e8m0 and
+# more 4-bit types (23); nothing else in their schemas changes.
+_SMALL_TYPE_OPS = (
+    "Cast",
+    "CastLike",
+    "Constant",
+    "ConstantOfShape",
+    "Identity",
+    "If",
+    "Loop",
+    "Scan",
+    "Shape",
+    "Size",
+    "Reshape",
+    "Pad",
+    "Flatten",
+    "Squeeze",
+    "Unsqueeze",
+    "Transpose",
+)
+
 _TYPE_ONLY: dict[int, tuple[str, ...]] = {
     15: ("BatchNormalization", "Pow"),
     16: (
@@ -141,25 +162,7 @@ _TYPE_ONLY: dict[int, tuple[str, ...]] = {
         "Resize",  # new "half_pixel_symmetric" mode value
     ),
     20: ("ConstantOfShape", "IsInf", "IsNaN", "ReduceMax", "ReduceMin"),
-    21: (
-        "Cast",
-        "CastLike",
-        "Constant",
-        "ConstantOfShape",
-        "Identity",
-        "If",
-        "Loop",
-        "Scan",
-        "Shape",
-        "Size",
-        "Reshape",
-        "Pad",
-        "Flatten",
-        "Squeeze",
-        "Unsqueeze",
-        "Transpose",
-        "QLinearMatMul",
-    ),
+    21: (*_SMALL_TYPE_OPS, "QLinearMatMul"),
     22: (
         "Acos",
         "Acosh",
@@ -209,24 +212,7 @@ _TYPE_ONLY: dict[int, tuple[str, ...]] = {
         "Det",
         "NegativeLogLikelihoodLoss",
     ),
-    23: (
-        "Cast",
-        "CastLike",
-        "Constant",
-        "ConstantOfShape",
-        "Identity",
-        "If",
-        "Loop",
-        "Scan",
-        "Shape",
-        "Size",
-        "Reshape",
-        "Pad",
-        "Flatten",
-        "Squeeze",
-        "Unsqueeze",
-        "Transpose",
-    ),
+    23: _SMALL_TYPE_OPS,
 }
 
 _OPTIONAL: tuple[tuple[str, int, tuple[str, ...], str], ...] = (

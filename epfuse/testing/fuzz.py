@@ -41,15 +41,9 @@ class FuzzFailure:
 
     def worst(self) -> str:
         """The worst failing output (or the error) of the failing run."""
-        worst = None
-        for scenario in self.result.scenarios:
-            if scenario.error:
-                return f"{scenario.name}: {scenario.error}"
-            for c in scenario.comparisons:
-                if not c.passed and (worst is None or c.ratio > worst.ratio):
-                    worst = c
-        if worst is None:
-            return "no comparison failed"
+        worst = self.result.worst_failure()
+        if worst is None or isinstance(worst, str):
+            return worst or "no comparison failed"
         note = f" ({worst.note})" if worst.note else ""
         return (
             f"{worst.output}{note} in {worst.scenario}: max abs {worst.max_abs_err:.3g}, "

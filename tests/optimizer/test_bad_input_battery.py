@@ -23,7 +23,7 @@ from pathlib import Path
 
 import onnx
 import pytest
-from external_data import symlinked_data_model
+from external_data import symlinked_data_model, with_external_data
 from onnx import TensorProto, helper
 
 import epfuse
@@ -50,13 +50,7 @@ def inputs(tmp_path_factory) -> Path:
     # a.onnx reads b.onnx.data: the name `-o b.onnx` would give its own data.
     onnx.save(proto, str(d / "a.onnx"), save_as_external_data=True, location="b.onnx.data")
     # Every initializer external, small shape constants included.
-    onnx.save(
-        onnx.load(str(EXAMPLE_MODEL)),
-        str(d / "t0.onnx"),
-        save_as_external_data=True,
-        location="t0.onnx.data",
-        size_threshold=0,
-    )
+    with_external_data(EXAMPLE_MODEL, d / "t0.onnx", "t0.onnx.data", size_threshold=0)
     graph = helper.make_graph(
         [helper.make_node("Relu", ["x"], ["y"])],
         "g",

@@ -13,7 +13,7 @@ import sys
 import onnx
 import onnx_ir as ir
 import pytest
-from external_data import symlinked_data_model
+from external_data import symlinked_data_model, with_external_data
 
 import epfuse
 from epfuse.errors import (
@@ -85,12 +85,7 @@ def test_stale_entries_of_dead_writers_only(tmp_path):
 
 
 def test_output_data_name_avoids_input_files(tmp_path, example_model):
-    onnx.save(
-        onnx.load(str(example_model)),
-        str(tmp_path / "a.onnx"),
-        save_as_external_data=True,
-        location="b.onnx.data",
-    )
+    with_external_data(example_model, tmp_path / "a.onnx", "b.onnx.data")
     protected = io.input_files(tmp_path / "a.onnx")
     assert (tmp_path / "b.onnx.data").resolve() in protected
     assert io.external_data_name(tmp_path / "b.onnx", protected) == "b.onnx.epfuse.data"
@@ -108,13 +103,7 @@ def test_symlinked_data_folder_refused_by_the_api(tmp_path, example_model):
 
 
 def test_small_external_tensors_are_loaded(tmp_path, example_model):
-    onnx.save(
-        onnx.load(str(example_model)),
-        str(tmp_path / "t0.onnx"),
-        save_as_external_data=True,
-        location="t0.data",
-        size_threshold=0,
-    )
+    with_external_data(example_model, tmp_path / "t0.onnx", "t0.data", size_threshold=0)
     model = io.load_model(tmp_path / "t0.onnx")
     tensors = [v.const_value for v in model.graph.initializers.values()]
     assert any(isinstance(t, ir.ExternalTensor) for t in tensors)  # weights stay lazy

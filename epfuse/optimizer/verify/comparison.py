@@ -71,6 +71,18 @@ class VerificationResult:
     def failed_scenarios(self) -> list[str]:
         return [s.name for s in self.scenarios if not s.passed]
 
+    def worst_failure(self) -> str | OutputComparison | None:
+        """What to name when the run fails: the first scenario's error (``"SCENARIO: error"``),
+        else the failing comparison furthest over its tolerance, else None."""
+        worst = None
+        for scenario in self.scenarios:
+            if scenario.error:
+                return f"{scenario.name}: {scenario.error}"
+            for c in scenario.comparisons:
+                if not c.passed and (worst is None or c.ratio > worst.ratio):
+                    worst = c
+        return worst
+
     def __str__(self) -> str:
         from .table import format_result
 

@@ -11,10 +11,9 @@ import math
 import numpy as np
 import onnx
 import onnx_ir as ir
-import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
-from proto_graph import ProtoGraph
+from proto_graph import ProtoGraph, run_unoptimized
 
 from epfuse.capabilities import get_ep
 from epfuse.optimizer.manager import _infer_types
@@ -96,15 +95,6 @@ def _feeds(seed: int = 0, dtype=np.float32) -> dict[str, np.ndarray]:
     }
 
 
-def _run(model: onnx.ModelProto, feeds) -> np.ndarray:
-    options = ort.SessionOptions()
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    session = ort.InferenceSession(
-        model.SerializeToString(), options, providers=["CPUExecutionProvider"]
-    )
-    return session.run(None, feeds)[0]
-
-
 def _apply(model: onnx.ModelProto, dtype: str = "float32"):
     ir_model = ir.serde.deserialize_model(model)
     _infer_types(ir_model)
@@ -137,7 +127,7 @@ def test_sinks_become_attention_with_an_exact_correction(v):
     )
     feeds = _feeds(dtype=np.float16 if dtype == "float16" else np.float32)
     tol = tolerance_for(dtype)
-    got, ref = _run(proto, feeds), _run(original, feeds)
+    got, ref = run_unoptimized(proto, feeds), run_unoptimized(original, feeds)
     np.testing.assert_allclose(got.astype(np.float32), ref.astype(np.float32), **vars(tol))
     assert np.abs(ref[1, :, 1]).max() < 1e-3  # the fully masked row is ~0 in both
 
@@ -153,7 +143,7 @@ def test_the_sink_changes_the_answer():
                 numpy_helper.from_array(np.full((1, N, 1, 1), -30, np.float32), init.name)
             )
     feeds = _feeds()
-    assert np.abs(_run(proto, feeds) - _run(original, feeds)).max() > 0.05
+    assert np.abs(run_unoptimized(proto, feeds) - run_unoptimized(original, feeds)).max() > 0.05
 
 
 @pytest.mark.parametrize(

@@ -1,6 +1,7 @@
 """Real torch.onnx opset-18 exports of tiny Hugging Face Llama (dynamo fp32 and fp16, and a
 direct TorchScript ``dynamo=False`` export with its traced Shape/Gather/Concat reshapes and
-``Where`` mask) and Gemma-2: the canonicalize rules lift them to
+``Where`` mask) and Cohere (interleaved RoPE; Gemma-2 and the other families at opset 18 are
+in tests/families/test_families_opset18.py): the canonicalize rules lift them to
 Attention/RotaryEmbedding/RMSNormalization, and the unchanged GQA lowering fuses every layer on
 CPU; each result is checked for equivalence in all scenarios."""
 
@@ -74,38 +75,6 @@ def test_default_ep_gives_standard_onnx(export18):
     attention = [n for n in optimized.graph if n.op_type == "Attention"]
     assert all(len(n.inputs) >= 6 and n.inputs[4] is not None for n in attention)  # past K/V
     assert_equivalent(path, optimized)
-
-
-@pytest.fixture(scope="module")
-def gemma2_export18(tmp_path_factory) -> str:
-    """Gemma-2 at opset 18: eager attention with a logit softcap, a sliding window on every
-    other layer, (1 + w) RMSNorms: the same rules, no Llama-specific shapes or names."""
-    from transformers import Gemma2Config
-
-    config = Gemma2Config(
-        **tiny_dims(),
-        sliding_window=4,
-        attn_logit_softcapping=50.0,
-        final_logit_softcapping=30.0,
-        query_pre_attn_scalar=16,
-    )
-    path = tmp_path_factory.mktemp("gemma2_18") / "gemma2-18.onnx"
-    export_hf_decoder(config, path, opset=18)
-    return str(path)
-
-
-def test_gemma2_softcap_and_window_fuse(gemma2_export18):
-    optimized, report = epfuse.optimize_with_report(gemma2_export18, "cpu")
-    assert [layer.result for layer in report.layers] == ["GroupQueryAttention(do_rotary=1)"] * 2
-    gqa = [n for n in optimized.graph if n.op_type == "GroupQueryAttention"]
-    attrs = [{k: a.value for k, a in n.attributes.items()} for n in gqa]
-    assert all(a["softcap"] == pytest.approx(50.0) for a in attrs)
-    assert sorted(a.get("local_window_size", -1) for a in attrs) == [-1, 4]
-    ops = [n.op_type for n in optimized.graph]
-    assert _norms(ops) == 4 * 2 + 1  # Gemma-2: four norms per layer
-    assert not {"Softmax", "Neg", "Cos", "Sin", "ReduceMean"} & set(ops)
-    # prompts and pasts longer than the window
-    assert_equivalent(gemma2_export18, optimized, prompt_len=9, decode_past_len=7)
 
 
 @pytest.fixture(scope="module")

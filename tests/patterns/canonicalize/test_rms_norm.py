@@ -8,10 +8,9 @@ import dataclasses
 import numpy as np
 import onnx
 import onnx_ir as ir
-import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
-from proto_graph import ProtoGraph
+from proto_graph import ProtoGraph, run_unoptimized
 
 from epfuse.capabilities import get_ep
 from epfuse.optimizer.manager import _infer_types
@@ -86,15 +85,6 @@ def _apply(model: onnx.ModelProto):
     return ir_model, DecomposedRMSNormToRMSNormalization().apply(reduce, ctx)
 
 
-def _run(model: onnx.ModelProto, x: np.ndarray) -> np.ndarray:
-    options = ort.SessionOptions()
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    session = ort.InferenceSession(
-        model.SerializeToString(), options, providers=["CPUExecutionProvider"]
-    )
-    return session.run(None, {"x": x})[0]
-
-
 FUSED = {
     "fp32": Variant(),
     "fp32-div": Variant(inverse="div"),
@@ -131,7 +121,10 @@ def test_rewrites_and_computes_the_same(name):
     x = (3 * np.random.default_rng(0).standard_normal((2, 3, D))).astype(np_dtype)
     dtype = "float16" if v.dtype == TensorProto.FLOAT16 else "float32"
     tol = tolerance_for(dtype)
-    got, want = _run(proto, x).astype(np.float32), _run(original, x).astype(np.float32)
+    got, want = (
+        run_unoptimized(proto, {"x": x}).astype(np.float32),
+        run_unoptimized(original, {"x": x}).astype(np.float32),
+    )
     np.testing.assert_allclose(got, want, rtol=tol.rtol, atol=tol.atol)
     if dtype == "float16":  # same steps, same rounding: at most one fp16 ulp apart
         assert np.abs(got - want).max() <= np.spacing(np.abs(want).max().astype(np.float16))

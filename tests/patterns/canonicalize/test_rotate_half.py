@@ -9,10 +9,9 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 import onnx_ir.passes.common
-import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
-from proto_graph import ProtoGraph
+from proto_graph import ProtoGraph, run_unoptimized
 
 from epfuse.capabilities import get_ep
 from epfuse.optimizer.manager import _infer_types
@@ -210,15 +209,6 @@ def _rope_add(ir_model: ir.Model) -> ir.Node:
     return next(n for n in ir_model.graph if n.op_type == "Add" and n.outputs[0].name == "y_rot")
 
 
-def _run(model: onnx.ModelProto, feeds) -> np.ndarray:
-    options = ort.SessionOptions()
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    session = ort.InferenceSession(
-        model.SerializeToString(), options, providers=["CPUExecutionProvider"]
-    )
-    return session.run(None, feeds)[0]
-
-
 def _feeds(dtype) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(0)
     x = rng.standard_normal((B, N, S, H)).astype(helper.tensor_dtype_to_np_dtype(dtype))
@@ -267,10 +257,12 @@ def test_rotate_half_becomes_rotary_embedding_then_caches(name):
     onnx.checker.check_model(stage2, full_check=True)
 
     feeds = _feeds(v.dtype)
-    want = _run(original, feeds).astype(np.float32)
+    want = run_unoptimized(original, feeds).astype(np.float32)
     tol = 2e-3 if v.dtype == TensorProto.FLOAT16 else 1e-5
     for model in (stage1, stage2):
-        np.testing.assert_allclose(_run(model, feeds).astype(np.float32), want, atol=tol, rtol=tol)
+        np.testing.assert_allclose(
+            run_unoptimized(model, feeds).astype(np.float32), want, atol=tol, rtol=tol
+        )
 
 
 @pytest.mark.parametrize("halves", ["different", "lookalike"])
@@ -342,7 +334,9 @@ def test_exporter_forms_become_cached_rotary_embedding(name):
     onnx.checker.check_model(optimized, full_check=True)
     assert not {"Neg", "Cos", "Sin"} & {n.op_type for n in optimized.graph.node}
     feeds = _feeds(v.dtype)
-    np.testing.assert_allclose(_run(optimized, feeds), _run(original, feeds), atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(
+        run_unoptimized(optimized, feeds), run_unoptimized(original, feeds), atol=1e-5, rtol=1e-5
+    )
 
 
 def test_pairs_that_are_not_repeated_are_kept():

@@ -9,11 +9,10 @@ import math
 import numpy as np
 import onnx
 import onnx_ir as ir
-import onnxruntime as ort
 import pytest
 from model_builder import DecoderConfig, build_decoder
 from onnx import TensorProto, helper, numpy_helper
-from proto_graph import ProtoGraph
+from proto_graph import ProtoGraph, run_unoptimized
 
 import epfuse
 from epfuse.capabilities import get_ep
@@ -117,15 +116,6 @@ def _feeds(model: onnx.ModelProto, seed: int = 0) -> dict[str, np.ndarray]:
     return feeds
 
 
-def _run(model: onnx.ModelProto, feeds) -> np.ndarray:
-    options = ort.SessionOptions()
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    session = ort.InferenceSession(
-        model.SerializeToString(), options, providers=["CPUExecutionProvider"]
-    )
-    return session.run(None, feeds)[0]
-
-
 def _apply(model: onnx.ModelProto, dtype: str = "float32", ep: str = "cpu"):
     ir_model = ir.serde.deserialize_model(model)
     _infer_types(ir_model)  # as the pass manager does before any rule runs
@@ -174,8 +164,8 @@ def test_fuses_and_computes_the_same(name):
     feeds = _feeds(original)
     tol = tolerance_for(dtype)  # the project's tolerances, measured in tolerances.py
     np.testing.assert_allclose(
-        _run(proto, feeds).astype(np.float32),
-        _run(original, feeds).astype(np.float32),
+        run_unoptimized(proto, feeds).astype(np.float32),
+        run_unoptimized(original, feeds).astype(np.float32),
         rtol=tol.rtol,
         atol=tol.atol,
     )
