@@ -301,3 +301,61 @@ SINK_FAMILIES: dict[str, Family] = {
     )
 }
 """Families with attention sinks (tests/families/test_gpt_oss.py); transformers 5.x only."""
+
+
+def _longrope_factors(half: int) -> dict[str, list[float]]:
+    """Distinct short and long factors per frequency (LongRoPE's searched rescale factors
+    are per frequency; equal lists would hide a swapped cache)."""
+    short = [1.0 + 0.05 * i for i in range(half)]
+    long = [1.5 + 0.4 * i for i in range(half)]
+    return {"short_factor": short, "long_factor": long}
+
+
+LONGROPE_ORIGINAL_MAX = 16
+"""original_max_position_embeddings of the LongRoPE families: small, so prompts and pasts of
+a few tens of tokens cross Hugging Face's short/long switch."""
+
+
+def _phi3_longrope(hidden: int = 64, partial: float = 1.0):
+    from transformers import Phi3Config
+
+    head_dim = hidden // _COMMON["num_attention_heads"]
+    half = int(head_dim * partial) // 2
+    # max_position_embeddings 4x the original: the attention factor
+    # sqrt(1 + ln 4 / ln 16) = 1.22 scales cos/sin (Hugging Face's attention_scaling).
+    return Phi3Config(
+        **{**_COMMON, "hidden_size": hidden, "max_position_embeddings": 4 * LONGROPE_ORIGINAL_MAX},
+        original_max_position_embeddings=LONGROPE_ORIGINAL_MAX,
+        pad_token_id=0,
+        **rope_kwargs(
+            rope_type="longrope",
+            partial_rotary_factor=partial,
+            original_max_position_embeddings=LONGROPE_ORIGINAL_MAX,
+            **_longrope_factors(half),
+        ),
+    )
+
+
+def _phi4_mini_longrope():
+    # Phi-4-mini: partial rotary 0.75. head_dim 64 (hidden 256 / 4 heads) rotates 48
+    # channels, cos width 24: a multiple of 8, which the CPU's fused rotary needs.
+    return _phi3_longrope(hidden=256, partial=0.75)
+
+
+LONGROPE_FAMILIES: dict[str, Family] = {
+    f.name: f
+    for f in (
+        Family(
+            "phi3-longrope",
+            _phi3_longrope,
+            description="Phi-3.5-mini: LongRoPE short/long factors switched at run time",
+        ),
+        Family(
+            "phi4-mini-longrope",
+            _phi4_mini_longrope,
+            description="Phi-4-mini: LongRoPE with partial rotary 0.75",
+        ),
+    )
+}
+"""LongRoPE families (tests/families/test_longrope.py): Hugging Face picks the long or short
+factors per call (max(position_ids) + 1 > original_max_position_embeddings)."""

@@ -17,7 +17,8 @@ LongRoPE switch compares the sequence length with ``original_max_position_embedd
 constant that is not a length threshold only makes the chosen lengths longer, never wrong.
 Position limits are the rows of constant 2-D tables gathered by an index that depends on a
 graph input (cos/sin caches, learned position embeddings) and of GroupQueryAttention's and
-RotaryEmbedding's cos/sin cache inputs.
+RotaryEmbedding's cos/sin cache inputs (either of LongRoPE's two, when a scalar ``Where``
+picks one per call).
 """
 
 from __future__ import annotations
@@ -196,6 +197,11 @@ def _scan(
 
 def _table_rows(value: ir.Value | None, where: str, limits: Limits, min_rows: int = 1) -> None:
     array = _const(value)
+    if array is None:  # LongRoPE's Where(cond, cache, cache): either has the rows
+        from epfuse.patterns.analysis.switched_caches import switched_cache
+
+        switched = switched_cache(value)
+        array = switched.when_true if switched is not None else None
     if array is None or array.ndim != 2 or array.dtype.kind != "f" or array.shape[0] < min_rows:
         return
     rows = int(array.shape[0])

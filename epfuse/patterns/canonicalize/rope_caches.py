@@ -208,6 +208,10 @@ class RopeCosSinToCaches(Rule):
         if scale_c != scale_s:
             return Kept(ReasonCode.FORM, "cos and sin are scaled differently")
         traced = _trace_freqs(freqs_c)
+        if traced is None:
+            switch = _trace_switched(freqs_c)
+            if switch is not None:  # LongRoPE: two frequency sets, chosen at run time
+                return _switched_rewrite(ctx, node, switch, freqs_s, scale_c, cos, sin)
         if traced is None or _trace_freqs(freqs_s) is None:
             return Kept(
                 ReasonCode.FORM, "cos/sin are computed from positions in a form not recognized"
@@ -374,7 +378,7 @@ def _caches(ctx, inv_freq, scale, dtype, node, cos, sin, positions):
 
 
 def _prove(
-    graph, cos, sin, positions, cos_np, sin_np, max_len, widen=None, probes=None
+    graph, cos, sin, positions, cos_np, sin_np, max_len, widen=None, probes=None, fixed=None
 ) -> str | None:
     """Evaluate the original cos/sin on sampled positions; they must match the caches.
 
@@ -383,20 +387,25 @@ def _prove(
     their shape only: transformers 4.x expands ``inv_freq`` to the batch size taken from
     whichever input torch picked (a past key, say). Those inputs are fed at several batch
     and past sizes, and the result must be the cache rows of the positions every time.
+    ``fixed`` maps values the evaluation is cut at to what they are fed (LongRoPE's switch
+    condition, proven once per branch).
     """
+    fixed = fixed or {}
     try:
         cut = _positions_cut(graph, positions)
         if isinstance(cut, str):
             return cut
+        cut = (*cut, *fixed)
         by_value, by_shape = value_dependencies(cos, cut=cut)
         sin_value, sin_shape = value_dependencies(sin, cut=cut)
     except _Unprovable as err:
         return f"the cos/sin subgraph could not be evaluated ({err})"
-    if (by_value | sin_value) != {positions}:
+    if (by_value | sin_value) - set(fixed) != {positions}:
         return "cos/sin depend on more than the positions"
-    shaped = sorted(by_shape | sin_shape, key=lambda v: v.name or "")
+    shaped = sorted((by_shape | sin_shape) - set(fixed), key=lambda v: v.name or "")
+    cut_at = [positions, *(v for v in fixed if v in by_value | sin_value)]
     try:
-        evaluator = SubgraphEvaluator(graph, [cos, sin], inputs=[positions, *shaped])
+        evaluator = SubgraphEvaluator(graph, [cos, sin], inputs=[*cut_at, *shaped])
     except Exception as err:
         return f"the cos/sin subgraph could not be evaluated ({type(err).__name__})"
     sample = np.unique(np.linspace(0, max_len - 1, num=min(max_len, 97)).astype(np.int64))
@@ -408,7 +417,7 @@ def _prove(
     rows = 1 if positions.shape is not None and positions.shape[0] == 1 else 2
     for batch, past in probes or _PROBES:
         ids = np.stack([sample, sample[::-1]][: min(batch, rows)]).astype(pos_dtype)
-        feeds = {positions.name: ids}
+        feeds = {positions.name: ids, **{v.name: a for v, a in fixed.items()}}
         for value in shaped:
             array = probe_array(value, positions, batch, len(sample), past)
             if array is None:
@@ -558,3 +567,221 @@ def _through_to(value: ir.Value, op_type: str) -> ir.Node | None:
             return None
         value = node.inputs[0]
     return None
+
+
+# ------------------------------------------------------------- LongRoPE's run-time switch
+#
+# Hugging Face's LongRoPE (Phi-3.5-mini, Phi-4-mini) rotates with
+# ``inv_freq = Where(max(position_ids) + 1 > original_max, long_inv_freq, short_inv_freq)``,
+# and scales cos/sin by one attention factor either way. The canonical form keeps the
+# graph's own condition and selects between two constant cache pairs with a scalar
+# ``Where`` (the two caches of onnxruntime-genai's builder, chosen by HF's condition instead of
+# the builder's total length, so it is HF's model exactly, padded batches included).
+
+
+def _trace_switched(freqs: ir.Value):
+    """(positions, cond, when_true, when_false) when the angles are positions x
+    ``Where(cond, inv_freq_a, inv_freq_b)`` of two constant frequency vectors, in the
+    exported forms :func:`_trace_freqs` reads (torch's folded Mul, HF's MatMul/Transpose)."""
+    transpose = producer(freqs, "Transpose")
+    if transpose is not None:
+        matmul = producer(transpose.inputs[0], "MatMul")
+        if matmul is None or list(attr(transpose, "perm", [])) != [0, 2, 1]:
+            return None
+        pairs = [(matmul.inputs[1], matmul.inputs[0])]
+    else:
+        mul = producer(freqs, "Mul")
+        if mul is None:
+            return None
+        pairs = [(mul.inputs[0], mul.inputs[1]), (mul.inputs[1], mul.inputs[0])]
+    for pos_side, freq_side in pairs:
+        where = producer(_through(freq_side), "Where")
+        if where is None:
+            continue
+        cond, a, b = where.inputs
+        arrays = [const_array(_through(v)) for v in (a, b)]
+        if any(
+            x is None or x.dtype.kind != "f" or sum(d != 1 for d in x.shape) > 1 for x in arrays
+        ):
+            continue
+        when_true, when_false = (x.reshape(-1) for x in arrays)
+        if when_true.shape != when_false.shape or cond is None:
+            continue
+        if cond.dtype != ir.DataType.BOOL or cond.shape is None:
+            continue
+        if any(not isinstance(d, int) or d != 1 for d in cond.shape):
+            continue  # one frequency set for the whole call, not mixed per element
+        positions = _positions_on(pos_side)
+        if positions is None:
+            continue
+        return positions, cond, when_true, when_false
+    return None
+
+
+def _switched_rewrite(ctx, node: ir.Node, switch, freqs_s, scale, cos, sin):
+    positions, cond, when_true, when_false = switch
+    other = _trace_switched(freqs_s)
+    if other is None or other[0] is not positions or other[1] is not cond:
+        return Kept(ReasonCode.FORM, "cos and sin switch their frequencies differently")
+    if not (np.array_equal(other[2], when_true) and np.array_equal(other[3], when_false)):
+        return Kept(ReasonCode.FORM, "cos and sin switch between different frequencies")
+    dtype = node.inputs[0].dtype
+    if dtype is None:
+        return Kept(ReasonCode.DTYPE, "the rotated input has no known dtype")
+    built = _switched_caches(ctx, node, switch, scale, dtype, cos, sin)
+    if isinstance(built, str):
+        return Kept(ReasonCode.NOT_PROVEN, built)
+    cos_cache, sin_cache, described = built
+    node.replace_input_with(1, cos_cache)
+    node.replace_input_with(2, sin_cache)
+    node.resize_inputs(4)
+    node.replace_input_with(3, positions)
+    return Rewritten(f"LongRoPE: two cos/sin caches of {cos_cache.shape[0]} positions, {described}")
+
+
+def _switched_caches(ctx, node, switch, scale, dtype, cos, sin):
+    """(cos, sin, description): ``Where(cond, cache_true, cache_false)`` for cos and sin,
+    built once per switch and shared by every layer; or why the run-time cos/sin are not that.
+
+    Proven by evaluation, in two parts. (1) Each cache pair: the subgraph is cut at the
+    condition and fed True, then False, at spread positions and several batch/past sizes
+    (:func:`_prove`); whatever the condition computes, each branch is its cache. (2) The
+    condition with the rest: the whole subgraph, condition included, is evaluated at prompts of
+    n positions for n around the length where the condition turns (found by evaluating it,
+    below, at and above that length) and at spread lengths, and must give the rows of the cache
+    the condition picks. The condition itself stays in the graph as exported.
+    """
+    _, cond, when_true, when_false = switch
+    max_len = ctx.options.max_seq_len
+    key = ("rope-switched", id(cond), when_true.tobytes(), when_false.tobytes(), scale, dtype)
+    if key in ctx.cache:
+        cached = ctx.cache[key]
+        if isinstance(cached, str):
+            return cached
+        proof_key = ("rope-switched-proof", key, id(cos), id(sin))
+        if proof_key not in ctx.cache:
+            reason, _ = _prove_switched(ctx.graph, switch, scale, dtype, max_len, cos, sin)
+            ctx.cache[proof_key] = reason
+        return ctx.cache[proof_key] or cached
+    arrays = [_cache_arrays(freqs, scale, dtype, max_len) for freqs in (when_true, when_false)]
+    reason, described = _prove_switched(ctx.graph, switch, scale, dtype, max_len, cos, sin, arrays)
+    if reason:
+        ctx.cache[key] = reason
+        return reason
+    builder = Builder(ctx.graph, node, "epfuse/rope")
+    selected = []
+    for i, name in enumerate(("cos", "sin")):
+        true_c = builder.const(f"{name}_cache_when_switched", arrays[0][i])
+        false_c = builder.const(f"{name}_cache_unswitched", arrays[1][i])
+        for value, freqs in ((true_c, when_true), (false_c, when_false)):
+            ctx.record_float64(value, _cache_arrays64(freqs, scale, max_len)[i])
+        where = ir.node("Where", [cond, true_c, false_c], name=f"epfuse/rope/{name}_cache_switch")
+        out = where.outputs[0]
+        out.name = where.name
+        out.type, out.shape = ir.TensorType(dtype), ir.Shape(list(arrays[0][i].shape))
+        source = cond.producer()
+        if source is not None and source.graph is ctx.graph:
+            ctx.graph.insert_after(source, where)
+        else:
+            ctx.graph.insert_before(ctx.graph.node(0), where)
+        selected.append(out)
+    ctx.cache[key] = (*selected, described)
+    ctx.cache[("rope-switched-proof", key, id(cos), id(sin))] = None
+    return ctx.cache[key]
+
+
+def _prove_switched(graph, switch, scale, dtype, max_len, cos, sin, arrays=None):
+    """(None, what was found) when the run-time cos/sin are the switched caches ``arrays``
+    (see :func:`_switched_caches`), else (why not, "")."""
+    positions, cond, when_true, when_false = switch
+    if arrays is None:
+        arrays = [_cache_arrays(freqs, scale, dtype, max_len) for freqs in (when_true, when_false)]
+    for (cos_np, sin_np), flag in zip(arrays, (True, False), strict=True):
+        reason = _prove(
+            graph, cos, sin, positions, cos_np, sin_np, max_len, fixed={cond: np.array(flag)}
+        )
+        if reason:
+            branch = "switched" if flag else "unswitched"
+            return f"LongRoPE's {branch} cos/sin: {reason}", ""
+    try:
+        by_value, by_shape = value_dependencies(cond)
+    except _Unprovable as err:
+        return f"the LongRoPE condition could not be evaluated ({err})", ""
+    if by_value != {positions}:
+        return "the LongRoPE condition reads more than the positions", ""
+    try:
+        _, cos_shape = value_dependencies(cos)
+        _, sin_shape = value_dependencies(sin)
+    except _Unprovable as err:
+        return f"the cos/sin subgraph could not be evaluated ({err})", ""
+    shaped = sorted((by_shape | cos_shape | sin_shape) - {positions}, key=lambda v: v.name or "")
+    try:
+        evaluator = SubgraphEvaluator(graph, [cond, cos, sin], inputs=[positions, *shaped])
+    except Exception as err:
+        return f"the LongRoPE condition could not be evaluated ({type(err).__name__})", ""
+    pos_dtype = positions.dtype.numpy()
+
+    def run(n: int, batch: int = 1):
+        ids = np.tile(np.arange(n, dtype=pos_dtype), (batch, 1))
+        if batch > 1:
+            ids[1] = ids[1][::-1]  # same maximum, other order
+        feeds = {positions.name: ids}
+        for value in shaped:
+            array = probe_array(value, positions, batch, n, 0)
+            if array is None:
+                raise _Unprovable(f"it reads the shape of {value.name!r}, which cannot be sized")
+            feeds[value.name] = array
+        flag, got_cos, got_sin = evaluator(feeds)
+        return bool(np.asarray(flag).reshape(-1)[0]), ids, got_cos, got_sin
+
+    lengths = sorted({*range(1, min(max_len, 64) + 1), *np.geomspace(1, max_len, 24).astype(int)})
+    try:
+        flags = {n: run(n)[0] for n in lengths}
+        threshold = _turning_length(flags, lambda n: run(n)[0])
+        checked = set(lengths[:: max(1, len(lengths) // 12)]) | {1, max_len}
+        if threshold is not None:
+            checked |= {n for n in (threshold - 1, threshold, threshold + 1) if 1 <= n <= max_len}
+        tol = 1e-6 + 2e-7 * max_len
+        if arrays[0][0].dtype != np.float32:
+            tol = max(tol, 2e-3)
+        for n in sorted(checked):
+            for batch in (1, 2):
+                flag, ids, got_cos, got_sin = run(n, batch)
+                cos_np, sin_np = arrays[0] if flag else arrays[1]
+                for got, ref in ((got_cos, cos_np), (got_sin, sin_np)):
+                    expected = ref[ids].astype(np.float64)
+                    got64 = np.asarray(got, dtype=np.float64)
+                    if got64.shape != expected.shape or not np.allclose(
+                        got64, expected, atol=tol, rtol=0
+                    ):
+                        return (
+                            f"the LongRoPE cos/sin at {n} positions are not the cache its condition picks",
+                            "",
+                        )
+    except _Unprovable as err:
+        return f"the LongRoPE condition could not be evaluated: {err}", ""
+    except Exception as err:
+        return f"the LongRoPE condition could not be run on prompts ({type(err).__name__})", ""
+    if threshold is None:
+        described = "the switch evaluated at prompt lengths 1.." + str(max_len)
+    else:
+        described = f"the switched caches above {threshold} positions"
+    return None, described
+
+
+def _turning_length(flags: dict[int, bool], evaluate) -> int | None:
+    """T when the condition is False for prompts of at most T positions and True beyond
+    (bisected between the sampled lengths), or None when it is not one such threshold."""
+    ordered = sorted(flags)
+    values = [flags[n] for n in ordered]
+    if not any(values) or all(values) or values != sorted(values):
+        return None
+    first = values.index(True)
+    low, high = ordered[first - 1], ordered[first]  # False at low, True at high
+    while high - low > 1:
+        mid = (low + high) // 2
+        if evaluate(mid):
+            high = mid
+        else:
+            low = mid
+    return low

@@ -10,7 +10,8 @@ the reason in the report):
   ``local_window_size`` express it exactly;
 * Q, K, V are (B, N, S, H) or (B, S, N*H) with static head counts and head size.
 
-RoPE: when Q and K are rotated by the same canonical ``RotaryEmbedding`` (constant caches and
+RoPE: when Q and K are rotated by the same canonical ``RotaryEmbedding`` (constant caches, or
+LongRoPE's two constant pairs selected per call by a scalar ``Where``, and
 ``position_ids``; duplicated cos/sin subgraphs count as the same once evaluated equal, and a
 Cast back to the rotated dtype is looked through) and the EP's fused rotary can take it (dtype, head-size and cache-width
 limits, interleaving, positions read from ``position_ids``), the rotation moves into GQA with
@@ -44,6 +45,7 @@ from .._graph import (
 )
 from .._layout import bsd_consumer, from_bsd, to_bsd
 from ..analysis.head_counts import attention_heads
+from ..analysis.switched_caches import switched_cache
 from ..base import Kept, RewriteContext, Rewritten, Rule, Stage
 from ..canonicalize.rope_caches import evaluated_equal
 from ..canonicalize.rotate_half import RotateHalfToRotaryEmbedding
@@ -243,6 +245,8 @@ class AttentionToGQA(Rule):
             extras.append("attention sinks as head_sink")
         if rope_plan.reason:
             extras.append(f"RoPE kept outside: {rope_plan.reason}")
+        elif rope_plan.fused and switched_cache(rope_plan.q.cos) is not None:
+            extras.append("LongRoPE caches chosen per call")
         return Rewritten("; ".join(extras), layer_result=result)
 
     def _plan_rope(self, q: ir.Value, k: ir.Value, head_size: int, ctx: RewriteContext):
@@ -267,6 +271,12 @@ class AttentionToGQA(Rule):
                 how += f"; not lowered to MRotaryEmbedding: {unproven}"
             return _RopePlan(False, rq, rk, _MROPE_REASON.format(how=how))
         cos, sin = rq.caches()
+        if cos is None and sin is None:
+            # LongRoPE: Where(cond, cache, cache) picks one constant pair per call; GQA is
+            # given the same selected caches the RotaryEmbedding reads.
+            switched = [switched_cache(v) for v in (rq.cos, rq.sin)]
+            if None not in switched and switched[0].cond is switched[1].cond:
+                cos, sin = switched[0].when_true, switched[1].when_true
         if cos is None or sin is None or rq.positions is None:
             return _RopePlan(False, rq, rk, "cos/sin are not constant caches with position_ids")
         if cos.ndim != 2 or sin.shape != cos.shape:
