@@ -7,7 +7,7 @@ import numbers
 import os
 import re
 from collections.abc import Iterable, Sequence
-from typing import TypeVar, overload
+from typing import Any, TypeVar, overload
 
 import onnx
 import onnx_ir as ir
@@ -554,7 +554,7 @@ def _verified(
     return work, report
 
 
-def _verify_lengths(original: onnx.ModelProto, model: ir.Model) -> dict[str, int]:
+def _verify_lengths(original: onnx.ModelProto, model: ir.Model) -> dict[str, Any]:
     """Scenario lengths past every sliding window and length threshold of either graph (read
     once: the rollback compares many candidates against the same original)."""
     from .verify.limits import default_lengths, read_limits

@@ -24,6 +24,7 @@ picks one per call).
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import numpy as np
 import onnx
@@ -90,23 +91,31 @@ def read_limits(original: onnx.ModelProto, optimized: onnx.ModelProto | None = N
     return limits
 
 
-def default_lengths(limits: Limits, steps: int = 2) -> dict[str, int]:
+def default_lengths(limits: Limits, steps: int = 2) -> dict[str, Any]:
     """Prompt, decode-past and chunk-past lengths past every window and threshold.
 
     Prompt ``T + 3`` (rows beyond ``T + 1`` see a window of ``T`` and one of ``T + 1``
     differ), decode past ``T + 2``, chunk past ``T + 1`` plus 3 new tokens, where ``T`` is the
     longest window or threshold; capped so that the padded prompt plus ``steps`` decode steps
     fit in the models' positions.
+
+    A length threshold has two sides: with one and no sliding window, the padded decode (each
+    model runs its own prompt) stays at or below ``T`` positions, ``steps`` included, so a
+    rewrite that takes the long side for every length (LongRoPE's long factors) fails too.
     """
     longest = limits.longest
     prompt = max(_MIN_LEN, longest + 3)
     if limits.max_positions is not None:
         prompt = max(1, min(prompt, limits.max_positions - steps))
-    return {
+    lengths: dict[str, Any] = {
         "prompt_len": prompt,
         "decode_past_len": max(1, prompt - 1),
         "chunk_past_len": max(1, prompt - 2),
     }
+    below = max(limits.thresholds, default=0) - steps
+    if limits.thresholds and not limits.windows and below >= 2 and below + steps <= prompt:
+        lengths["padded_decode_lens"] = (below, (below + 1) // 2)
+    return lengths
 
 
 UNBOUNDED_MAX = 8192

@@ -229,6 +229,7 @@ def compare_models(
         prompt_len = lengths["prompt_len"]
         decode_past_len = decode_past_len or lengths["decode_past_len"]
         chunk_past_len = chunk_past_len or lengths["chunk_past_len"]
+        padded_decode_lens = padded_decode_lens or lengths.get("padded_decode_lens")
     decode_past_len = decode_past_len or max(1, prompt_len - 1)
     chunk_past_len = chunk_past_len or max(1, prompt_len - 2)
     named = builtin_scenarios(
