@@ -219,6 +219,60 @@ def _gpt_oss():
     )
 
 
+def _nemotron():
+    from transformers import NemotronConfig
+
+    # Nemotron: LayerNorm1P (weight + 1), squared-ReLU MLP, partial rotary 0.5. head_dim 32 so
+    # that the rotated half (16 channels, cos width 8) is one the CPU's fused rotary accepts.
+    return NemotronConfig(
+        **tiny_dims(head_dim=32), **rope_kwargs(partial_rotary_factor=0.5), pad_token_id=0
+    )
+
+
+def _olmo():
+    from transformers import OlmoConfig
+
+    # OLMo (1): LayerNorm without weights, Q/K/V clamped to +-clip_qkv before attention.
+    return OlmoConfig(
+        **_COMMON, clip_qkv=0.5, **rope_kwargs(), pad_token_id=0, bos_token_id=1, eos_token_id=2
+    )
+
+
+def _olmo3():
+    from transformers import Olmo3Config
+
+    # OLMo-3: OLMo-2's q/k RMSNorm over all heads, sliding layers between full ones.
+    return Olmo3Config(
+        **tiny_dims(),
+        sliding_window=SLIDING_WINDOW,
+        layer_types=["sliding_attention", "full_attention"],
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+
+
+def _gemma():
+    from transformers import GemmaConfig
+
+    # Gemma 1: RMSNorm with (1 + weight), embeddings scaled by sqrt(hidden), GeLU-tanh MLP.
+    return GemmaConfig(**tiny_dims(), **rope_kwargs())
+
+
+def _ernie4_5():
+    from transformers import Ernie4_5Config
+
+    # Ernie 4.5: interleaved rotary (cos/sin repeat_interleave'd, rotate every two).
+    return Ernie4_5Config(**tiny_dims(), **rope_kwargs(), pad_token_id=0)
+
+
+def _hunyuan_dense():
+    from transformers import HunYuanDenseV1Config
+
+    # HunYuan dense: per-head q/k RMSNorm applied *after* RoPE.
+    return HunYuanDenseV1Config(**tiny_dims(), **rope_kwargs(), pad_token_id=0)
+
+
 FAMILIES: dict[str, Family] = {
     f.name: f
     for f in (
@@ -234,6 +288,12 @@ FAMILIES: dict[str, Family] = {
         Family("gemma3", _gemma3, SLIDING_WINDOW, "q/k norm, local RoPE base, sliding layers"),
         Family("glm", _glm, description="partial interleaved rotary (half of head_dim 32)"),
         Family("olmo2", _olmo2, description="q/k RMSNorm over all heads before reshape"),
+        Family("nemotron", _nemotron, description="LayerNorm1P, squared ReLU, partial rotary"),
+        Family("olmo", _olmo, description="weightless LayerNorm, Q/K/V clipped (clip_qkv)"),
+        Family("olmo3", _olmo3, SLIDING_WINDOW, "OLMo-2 q/k norm, alternating sliding layers"),
+        Family("gemma", _gemma, description="(1 + weight) RMSNorm, scaled embeddings, GeLU"),
+        Family("ernie4_5", _ernie4_5, description="interleaved rotary on repeated halves"),
+        Family("hunyuan-dense", _hunyuan_dense, description="q/k RMSNorm after RoPE"),
     )
 }
 

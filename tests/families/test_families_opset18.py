@@ -36,6 +36,12 @@ EXPECTED = {
     "gemma3": (1, (W, None, W, None), 0.0),
     "glm": (0, (None, None), 0.0),  # interleaved partial rotary stays outside GQA
     "olmo2": (1, (None, None), 0.0),
+    "nemotron": (1, (None, None), 0.0),
+    "olmo": (1, (None, None), 0.0),
+    "olmo3": (1, (W, None), 0.0),
+    "gemma": (1, (None, None), 0.0),
+    "ernie4_5": (0, (None, None), 0.0),  # see test_families_opset23: rotation stays outside
+    "hunyuan-dense": (0, (None, None), 0.0),  # q/k norm after RoPE: rotation stays outside
 }
 assert set(EXPECTED) == set(FAMILIES)
 

@@ -61,6 +61,17 @@ EXPECTED: dict[str, Expected] = {
     # GLM's interleaved partial rotary is exported decomposed as well.
     "glm": Expected(rotary=False, rope_reason=NOT_ROTATED),
     "olmo2": Expected(),
+    "nemotron": Expected(),  # partial rotary 0.5 of head_dim 32
+    "olmo": Expected(),  # the clip_qkv Clips stay ahead of the fused rotary
+    "olmo3": Expected(windows=(W, None)),
+    "gemma": Expected(),
+    # Ernie 4.5 unsqueezes cos/sin over heads *before* repeat_interleave'ing their first
+    # halves (GLM's form at full width): rotate_half does not match that order, so the
+    # rotation stays decomposed (equal, outside GQA).
+    "ernie4_5": Expected(rotary=False, rope_reason=NOT_ROTATED),
+    # HunYuan normalizes Q and K *after* RoPE: GQA would rotate after the norm, so the
+    # RotaryEmbedding stays ahead of the norm, outside GQA.
+    "hunyuan-dense": Expected(rotary=False, rope_reason=NOT_ROTATED),
 }
 assert set(EXPECTED) == set(FAMILIES)
 
