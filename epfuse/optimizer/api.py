@@ -95,10 +95,12 @@ def optimize_with_report(
 
     ``verify=True`` compares the result with the original on ORT CPU
     (:func:`epfuse.optimizer.verify.compare_models`, default scenarios, lengths past any
-    sliding window). When it fails, every fused layer is re-optimized alone; the layers whose
-    rewrite alone fails are rolled back to their canonical standard form (reported as kept,
-    "rolled back: failed verification (max err ...)"), and the rolled-back model is verified
-    again. If that still fails, all lowerings are rolled back; if even that fails (a broken
+    sliding window). When it fails, the layers whose rewrite alone fails are found by group
+    testing (halves of the fused layers re-optimized and verified alone, a passing half
+    clearing all its layers: about 2 log2(N) verifications for one bad layer among N; a group
+    failing only in combination counts as failing) and rolled back to their canonical
+    standard form (reported as kept, "rolled back: failed verification (max err ...)"), and
+    the rolled-back model is verified again. If that still fails, all lowerings are rolled back; if even that fails (a broken
     canonicalization), :class:`epfuse.errors.VerificationError` is raised. The returned model
     always passed verification.
 
@@ -519,14 +521,13 @@ def _verified(
         return work, report
     base_skip = set(skip_layers)
     fused = [layer.layer for layer in report.layers if layer.fused]
-    failing: dict[int, str] = {}
-    for index in fused:
-        alone, _ = run(base_skip | (set(fused) - {index}))
-        single = check(alone)
-        if not single.passed:
-            failing[index] = _worst(single)
-    if not failing:  # only the combination fails: no single culprit
-        failing = dict.fromkeys(fused, _worst(result))
+
+    def fused_only(group: list[int]):
+        """The verdict on the model with only ``group``'s lowerings (every other fused layer
+        rolled back)."""
+        return check(run(base_skip | (set(fused) - set(group)))[0])
+
+    failing = _culprits(fused, result, fused_only)
     work, report = run(base_skip | set(failing))
     again = check(work)
     if not again.passed and set(failing) != set(fused):
@@ -552,6 +553,38 @@ def _verified(
         f"the full rewrite failed: {_worst(result)}"
     )
     return work, report
+
+
+def _culprits(fused: list[int], failed, verdict) -> dict[int, str]:
+    """The fused layers to roll back, with why, found by group testing: ``failed`` is the
+    failing verdict on all of ``fused``; ``verdict(group)`` verifies the model in which only
+    ``group``'s layers are lowered.
+
+    A failing group is split in halves and each half verified alone: a passing half clears
+    all its layers at once, a failing one is split again, down to the single layers that fail
+    alone. One defective layer among N costs 2 log2(N) verifications instead of N. A failing
+    group whose halves both pass fails only in combination (no single culprit): the whole
+    group is rolled back (for the whole model, as before: every lowering).
+    """
+    failing: dict[int, str] = {}
+
+    def search(group: list[int], verdict_on_group) -> None:
+        if len(group) == 1:
+            failing[group[0]] = _worst(verdict_on_group)
+            return
+        half = len(group) // 2
+        culprit_found = False
+        for part in (group[:half], group[half:]):
+            outcome = verdict(part)
+            if not outcome.passed:
+                search(part, outcome)
+                culprit_found = True
+        if not culprit_found:  # each half passes alone: only the combination fails
+            failing.update(dict.fromkeys(group, _worst(verdict_on_group)))
+
+    if fused:
+        search(list(fused), failed)
+    return failing
 
 
 def _verify_lengths(original: onnx.ModelProto, model: ir.Model) -> dict[str, Any]:

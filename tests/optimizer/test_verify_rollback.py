@@ -95,6 +95,74 @@ def test_verify_rolls_back_every_broken_layer():
     assert compare_models(original, optimized).passed
 
 
+def test_rollback_search_costs_log_n_runs_and_verifications(monkeypatch):
+    """One bad layer among 16: group testing verifies halves, not every layer alone (the
+    per-layer search cost 16 + 2 runs and verifications)."""
+    import epfuse.optimizer.verify as verify
+
+    layers, bad = 16, 11
+    original = build_decoder(DecoderConfig(layers=layers, interleaved=True))
+    rules = defective_rules({bad})
+    counts = {"runs": 0, "verifications": 0}
+    real_run, real_compare = PassManager.run, verify.compare_models
+
+    def counting_run(self, *args, **kwargs):
+        if any(rule is rules_gqa for rule in self.rules):  # the pipeline, not limits' canonical
+            counts["runs"] += 1
+        return real_run(self, *args, **kwargs)
+
+    def counting_compare(*args, **kwargs):
+        counts["verifications"] += 1
+        return real_compare(*args, **kwargs)
+
+    rules_gqa = next(r for r in rules if isinstance(r, _FlipInterleaved))
+    monkeypatch.setattr(PassManager, "run", counting_run)
+    monkeypatch.setattr(verify, "compare_models", counting_compare)
+    optimized, report = epfuse.optimize_with_report(original, "cpu", verify=True, rules=rules)
+    assert [layer.layer for layer in report.layers if not layer.fused] == [bad]
+    assert report.layers[bad].codes == [ReasonCode.ROLLED_BACK]
+    # first run + 2 per halving (log2 16 = 4) + the rolled-back run; the same verifications
+    assert counts == {"runs": 1 + 2 * 4 + 1, "verifications": 1 + 2 * 4 + 1}
+    assert compare_models(original, optimized).passed
+
+
+class _Verdict:
+    def __init__(self, passed: bool):
+        self.passed = passed
+
+    def worst_failure(self):
+        return None if self.passed else "failed"
+
+
+def _culprits(fused, bad=(), combinations=()):
+    """api._culprits with a verdict that fails when a bad layer or a whole bad combination
+    is lowered; returns the rolled-back layers and the groups verified."""
+    tried = []
+
+    def verdict(group):
+        tried.append(list(group))
+        lowered = set(group)
+        fails = lowered & set(bad) or any(set(c) <= lowered for c in combinations)
+        return _Verdict(not fails)
+
+    return sorted(api._culprits(fused, _Verdict(False), verdict)), tried
+
+
+def test_group_testing_finds_every_culprit():
+    assert _culprits(list(range(8)), bad={5})[0] == [5]
+    found, tried = _culprits(list(range(8)), bad={0, 6})
+    assert found == [0, 6]
+    assert [0, 1, 2, 3, 4, 5, 6, 7] not in tried  # the full model's verdict is given
+    assert _culprits([3], bad={3}) == ([3], [])  # one fused layer: no search needed
+
+
+def test_group_testing_rolls_back_a_group_that_fails_only_in_combination():
+    # No layer fails alone: every lowering is rolled back, as with the per-layer search.
+    assert _culprits(list(range(4)), combinations=[{0, 3}])[0] == [0, 1, 2, 3]
+    # A combination inside one half costs that half, not the others.
+    assert _culprits(list(range(8)), combinations=[{4, 5}])[0] == [4, 5]
+
+
 def test_verify_raises_when_even_the_canonical_form_fails(monkeypatch):
     original = build_decoder(DecoderConfig(layers=1))
 
