@@ -7,7 +7,7 @@ import numbers
 import os
 import re
 from collections.abc import Iterable, Sequence
-from typing import Any, TypeVar, overload
+from typing import TypeVar, overload
 
 import onnx
 import onnx_ir as ir
@@ -491,16 +491,29 @@ def _verified(
     int8 rounding noise (the loose ``tolerance``); the rewrite must also pass with both models
     computing in their activation dtype (:func:`_float_compute`), at that dtype's tolerance.
     """
-    from .verify import compare_models
+    from .verify.limits import default_lengths, read_limits
+    from .verify.runner import Comparator
 
-    lengths = _verify_lengths(original, work)
+    # Read once: every candidate of the rollback is the original with some of ``work``'s
+    # lowerings, so its windows, thresholds and position tables are among these two graphs'.
+    limits = read_limits(original, ir.to_proto(work))
+    lengths = default_lengths(limits)
     float_reference = _float_compute(original) if strict_int4 else None
+    pairs: dict[str, Comparator] = {}
+
+    def pair(key: str, reference: onnx.ModelProto, candidate: onnx.ModelProto, tol):
+        """A comparator of ``candidate``; the reference's session is loaded once."""
+        if key not in pairs:
+            pairs[key] = Comparator(reference, candidate, tolerance=tol, limits=limits)
+            return pairs[key]
+        return pairs[key].with_optimized(candidate)
 
     def compare(candidate: ir.Model):
         proto = ir.to_proto(candidate)
-        result = compare_models(original, proto, tolerance=tolerance, **lengths)
+        result = pair("reference", original, proto, tolerance).compare(**lengths)
         if float_reference is not None and result.passed:
-            result = compare_models(float_reference, _float_compute(proto), **lengths)
+            floats = pair("float", float_reference, _float_compute(proto), None)
+            result = floats.compare(**lengths)
         return result
 
     def check(candidate: ir.Model):
@@ -585,14 +598,6 @@ def _culprits(fused: list[int], failed, verdict) -> dict[int, str]:
     if fused:
         search(list(fused), failed)
     return failing
-
-
-def _verify_lengths(original: onnx.ModelProto, model: ir.Model) -> dict[str, Any]:
-    """Scenario lengths past every sliding window and length threshold of either graph (read
-    once: the rollback compares many candidates against the same original)."""
-    from .verify.limits import default_lengths, read_limits
-
-    return default_lengths(read_limits(original, ir.to_proto(model)))
 
 
 def _scenario_list(result) -> str:

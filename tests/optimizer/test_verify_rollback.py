@@ -98,26 +98,26 @@ def test_verify_rolls_back_every_broken_layer():
 def test_rollback_search_costs_log_n_runs_and_verifications(monkeypatch):
     """One bad layer among 16: group testing verifies halves, not every layer alone (the
     per-layer search cost 16 + 2 runs and verifications)."""
-    import epfuse.optimizer.verify as verify
+    from epfuse.optimizer.verify.runner import Comparator
 
     layers, bad = 16, 11
     original = build_decoder(DecoderConfig(layers=layers, interleaved=True))
     rules = defective_rules({bad})
     counts = {"runs": 0, "verifications": 0}
-    real_run, real_compare = PassManager.run, verify.compare_models
+    real_run, real_compare = PassManager.run, Comparator.compare
 
     def counting_run(self, *args, **kwargs):
         if any(rule is rules_gqa for rule in self.rules):  # the pipeline, not limits' canonical
             counts["runs"] += 1
         return real_run(self, *args, **kwargs)
 
-    def counting_compare(*args, **kwargs):
+    def counting_compare(self, **kwargs):
         counts["verifications"] += 1
-        return real_compare(*args, **kwargs)
+        return real_compare(self, **kwargs)
 
     rules_gqa = next(r for r in rules if isinstance(r, _FlipInterleaved))
     monkeypatch.setattr(PassManager, "run", counting_run)
-    monkeypatch.setattr(verify, "compare_models", counting_compare)
+    monkeypatch.setattr(Comparator, "compare", counting_compare)
     optimized, report = epfuse.optimize_with_report(original, "cpu", verify=True, rules=rules)
     assert [layer.layer for layer in report.layers if not layer.fused] == [bad]
     assert report.layers[bad].codes == [ReasonCode.ROLLED_BACK]

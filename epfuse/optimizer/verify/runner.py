@@ -31,7 +31,7 @@ from .feeds import (
     position_feed,
     text_positions,
 )
-from .limits import check_length, default_lengths, read_limits
+from .limits import Limits, check_length, default_lengths, read_limits
 from .roles import discover_io
 from .scenarios import SCENARIOS, Scenario, _scenario_seed, builtin_scenarios
 
@@ -224,35 +224,17 @@ def compare_models(
         session_options=session_options,
         position_streams=position_streams,
     )
-    lengths = default_lengths(pair.limits, padded_decode_steps)
-    if prompt_len is None:
-        prompt_len = lengths["prompt_len"]
-        decode_past_len = decode_past_len or lengths["decode_past_len"]
-        chunk_past_len = chunk_past_len or lengths["chunk_past_len"]
-        padded_decode_lens = padded_decode_lens or lengths.get("padded_decode_lens")
-    decode_past_len = decode_past_len or max(1, prompt_len - 1)
-    chunk_past_len = chunk_past_len or max(1, prompt_len - 2)
-    named = builtin_scenarios(
-        prompt_len,
-        decode_past_len,
-        chunk_past_len,
-        chunk_len,
-        padded_lens,
-        padded_decode_lens,
-        padded_decode_steps,
+    return pair.compare(
+        scenarios=scenarios,
+        prompt_len=prompt_len,
+        decode_past_len=decode_past_len,
+        chunk_past_len=chunk_past_len,
+        chunk_len=chunk_len,
+        padded_lens=padded_lens,
+        padded_decode_lens=padded_decode_lens,
+        padded_decode_steps=padded_decode_steps,
+        seed=seed,
     )
-    plan: list[Scenario] = []
-    unknown = []
-    for item in scenarios:
-        if isinstance(item, Scenario):
-            plan.append(item)
-        elif item in named:
-            plan.append(named[item])
-        else:
-            unknown.append(item)
-    if unknown:
-        raise ValueError(f"unknown scenarios {unknown}; known: {SCENARIOS}")
-    return pair.run(plan, seed)
 
 
 class Comparator:
@@ -260,6 +242,10 @@ class Comparator:
     compared over any number of scenario lists: what ``epfuse fuzz`` runs per example.
 
     Raises ``ValueError`` when the roles of the two models do not match.
+
+    :meth:`with_optimized` compares the same original with another candidate (the
+    optimizer's rollback verifies many): the original's session and the lengths read from the
+    graphs are reused, not rebuilt.
     """
 
     def __init__(
@@ -271,11 +257,17 @@ class Comparator:
         providers: Sequence[str] = ("CPUExecutionProvider",),
         session_options: ort.SessionOptions | None = None,
         position_streams: PositionStreams | None = None,
+        limits: Limits | None = None,
+        reference: _Runner | None = None,
     ):
+        """``limits``: lengths already read for this original (and a candidate whose windows
+        include this one's); ``reference``: the original's runner, already loaded."""
         ref_proto, opt_proto = _to_proto(original), None
         with contextlib.suppress(Exception):  # reported as a model that does not load
             opt_proto = _to_proto(optimized)
-        self.limits = read_limits(ref_proto, opt_proto)
+        self._original = ref_proto
+        self._options = (tolerance, tuple(providers), session_options, position_streams)
+        self.limits = limits if limits is not None else read_limits(ref_proto, opt_proto)
         self.gqa = any(
             n.op_type == "GroupQueryAttention"
             for proto in (ref_proto, opt_proto)
@@ -283,7 +275,7 @@ class Comparator:
             for n in proto.graph.node
         )
         """Either graph has GroupQueryAttention (ORT CPU's takes chunked prefill at batch 1)."""
-        self.ref = _Runner(ref_proto, providers, session_options, position_streams)
+        self.ref = reference or _Runner(ref_proto, providers, session_options, position_streams)
         self.load_error: str | None = None
         self.opt: _Runner | None = None
         self.tolerance = tolerance or tolerance_for(self.ref.io.dtype)
@@ -315,6 +307,66 @@ class Comparator:
                 f"{opt.io.token_kind} ({opt.io.input_ids})"
             )
         self.vocab = ref.io.vocab_size or opt.io.vocab_size or 32
+
+    def with_optimized(self, optimized: ModelLike) -> Comparator:
+        """The same original (session, roles, lengths) compared with ``optimized``: a
+        candidate of the same pipeline (its windows, thresholds and tables are those of the
+        original and of the model this comparator was built with)."""
+        tolerance, providers, session_options, position_streams = self._options
+        return Comparator(
+            self._original,
+            optimized,
+            tolerance=tolerance,
+            providers=providers,
+            session_options=session_options,
+            position_streams=position_streams,
+            limits=self.limits,
+            reference=self.ref,
+        )
+
+    def compare(
+        self,
+        *,
+        scenarios: Iterable[str | Scenario] = SCENARIOS,
+        prompt_len: int | None = None,
+        decode_past_len: int | None = None,
+        chunk_past_len: int | None = None,
+        chunk_len: int = 3,
+        padded_lens: tuple[int, ...] | None = None,
+        padded_decode_lens: tuple[int, ...] | None = None,
+        padded_decode_steps: int = 2,
+        seed: int = 0,
+    ) -> VerificationResult:
+        """:func:`compare_models` on this pair (the same arguments)."""
+        lengths = default_lengths(self.limits, padded_decode_steps)
+        if prompt_len is None:
+            prompt_len = lengths["prompt_len"]
+            decode_past_len = decode_past_len or lengths["decode_past_len"]
+            chunk_past_len = chunk_past_len or lengths["chunk_past_len"]
+            padded_decode_lens = padded_decode_lens or lengths.get("padded_decode_lens")
+        decode_past_len = decode_past_len or max(1, prompt_len - 1)
+        chunk_past_len = chunk_past_len or max(1, prompt_len - 2)
+        named = builtin_scenarios(
+            prompt_len,
+            decode_past_len,
+            chunk_past_len,
+            chunk_len,
+            padded_lens,
+            padded_decode_lens,
+            padded_decode_steps,
+        )
+        plan: list[Scenario] = []
+        unknown = []
+        for item in scenarios:
+            if isinstance(item, Scenario):
+                plan.append(item)
+            elif item in named:
+                plan.append(named[item])
+            else:
+                unknown.append(item)
+        if unknown:
+            raise ValueError(f"unknown scenarios {unknown}; known: {SCENARIOS}")
+        return self.run(plan, seed)
 
     @property
     def has_cache(self) -> bool:
