@@ -126,11 +126,33 @@ def missing_flags(node: onnx.NodeProto, record: EPCapabilities, dtype: str) -> l
     return missing
 
 
+@dataclasses.dataclass(frozen=True)
+class Violation:
+    """A node the EP's record does not take, as fields (code reads these; ``str()`` is the
+    line the report and the refusal show)."""
+
+    node: str
+    """The node's name (its op type when unnamed)."""
+    domain: str
+    """``ai.onnx`` for ONNX, else the vendor domain (``com.microsoft``)."""
+    op: str
+    needs: tuple[str, ...]
+    """The record flags the node needs and the record lacks."""
+
+    @property
+    def vendor(self) -> bool:
+        """A vendor (non-ONNX) op: no standard form is implied by the record."""
+        return self.domain not in ("", "ai.onnx")
+
+    def __str__(self) -> str:
+        return f"{self.node} ({self.domain}::{self.op}) needs {list(self.needs)}"
+
+
 @dataclasses.dataclass
 class Conformance:
-    violations: list[str] = dataclasses.field(default_factory=list)
+    violations: list[Violation] = dataclasses.field(default_factory=list)
     """Emitted nodes the record does not allow: always a bug."""
-    kept: list[str] = dataclasses.field(default_factory=list)
+    kept: list[Violation] = dataclasses.field(default_factory=list)
     """Nodes from the input the record does not run (the author's choice, reported)."""
     needed: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     """How often each flag was needed."""
@@ -161,8 +183,10 @@ def check(
         missing = missing_flags(node, record, dtype)
         if not missing:
             continue
-        line = f"{node.name or node.op_type}: {signature[0] or 'ai.onnx'}::{node.op_type} needs {missing}"
-        (result.kept if signature in from_input else result.violations).append(line)
+        found = Violation(
+            node.name or node.op_type, signature[0] or "ai.onnx", node.op_type, tuple(missing)
+        )
+        (result.kept if signature in from_input else result.violations).append(found)
     return result
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import numbers
 import os
-import re
 from collections.abc import Iterable, Sequence
 from typing import TypeVar, overload
 
@@ -13,6 +12,7 @@ import onnx
 import onnx_ir as ir
 
 from epfuse.capabilities import DTYPES, EPCapabilities, get_ep
+from epfuse.capabilities.conformance import Violation
 from epfuse.errors import (
     ModelTypeError,
     OptionError,
@@ -353,19 +353,14 @@ def _model_type_message(model) -> str:
     )
 
 
-def _vendor_op_refusal(violations: list[str], record: EPCapabilities, dtype: str) -> str | None:
+def _vendor_op_refusal(
+    violations: list[Violation], record: EPCapabilities, dtype: str
+) -> str | None:
     """The refusal for an already optimized model re-targeted to an EP that lacks its vendor
     ops (com.microsoft GroupQueryAttention ...). No exact standard form exists for GQA: it
     writes the new K/V at ``seqlens_k``, not after the past, so an Attention + Concat would
     compute a different present cache for padded batches. Re-optimize the original export."""
-    vendor = sorted(
-        {
-            f"{domain}::{op}"
-            for line in violations
-            for domain, op in re.findall(r"\(([\w.]+)::(\w+)\)", line)
-            if domain not in ("", "ai.onnx")
-        }
-    )
+    vendor = sorted({f"{v.domain}::{v.op}" for v in violations if v.vendor})
     if not vendor:
         return None
     return (

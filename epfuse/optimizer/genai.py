@@ -30,6 +30,7 @@ from epfuse.capabilities import EPCapabilities, get_ep
 from epfuse.errors import ConfigError, OutputError, UnsupportedModelError
 from epfuse.patterns.analysis.head_counts import HeadCounts, attention_heads
 from epfuse.patterns.analysis.signature import DecoderSignature
+from epfuse.patterns.base import AttentionFacts
 
 from .io import check_output, reason, save_model, write_text
 from .report import Report
@@ -288,8 +289,11 @@ def genai_config(
     first_key = sig.layers[0][0]
     kv_heads, head_size = first_key.num_heads, first_key.head_size
     gqa = [n for n in graph if (n.domain, n.op_type) == _GQA]
+    facts = _fused_facts(report)
     heads = graph_heads = None
-    if gqa:
+    if facts:  # what the optimizer fused, as its report states it
+        heads = graph_heads = facts[0].num_heads
+    elif gqa:  # a model without epfuse's report (a genai or mobius build)
         heads = graph_heads = gqa[0].attributes["num_heads"].value
     else:
         heads = text.get("num_attention_heads")
@@ -319,7 +323,7 @@ def genai_config(
         )
     vocab = sig.vocab_size or text.get("vocab_size")
 
-    context = _context_length(gqa, report, text)
+    context = _context_length(gqa, report, text, facts)
 
     ids = {}
     for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
@@ -384,13 +388,26 @@ def genai_config(
     return config, blocker
 
 
-def _context_length(gqa: list[ir.Node], report: Report | None, text: dict[str, Any]) -> int:
-    """Rows of the fused cos/sin caches (GQA rejects longer sequences); else the model's limit."""
-    rows = [
-        _dim(n.inputs[7], 0)
-        for n in gqa
-        if len(n.inputs) > 7 and n.inputs[7] is not None and _dim(n.inputs[7], 0)
-    ]
+def _fused_facts(report: Report | None) -> list[AttentionFacts]:
+    """The facts of the layers the report says were fused (none without a report)."""
+    if report is None:
+        return []
+    return [layer.facts for layer in report.layers if layer.fused and layer.facts is not None]
+
+
+def _context_length(
+    gqa: list[ir.Node], report: Report | None, text: dict[str, Any], facts: list[AttentionFacts]
+) -> int:
+    """Rows of the fused cos/sin caches (GQA rejects longer sequences); else the model's limit.
+    The rows are the report's facts where it has them, else read off the GQA nodes."""
+    if facts:
+        rows = [f.rotary_cache_rows for f in facts if f.rotary_cache_rows]
+    else:
+        rows = [
+            _dim(n.inputs[7], 0)
+            for n in gqa
+            if len(n.inputs) > 7 and n.inputs[7] is not None and _dim(n.inputs[7], 0)
+        ]
     if rows:
         return min(rows)
     limits = [text.get("max_position_embeddings")]

@@ -21,6 +21,7 @@ import onnx_ir as ir
 import onnx_ir.passes.common as common_passes
 
 from epfuse.capabilities import EPCapabilities
+from epfuse.capabilities.conformance import Violation
 from epfuse.patterns import (
     RULES,
     Kept,
@@ -218,6 +219,7 @@ class PassManager:
                     if layer is not None and outcome.layer_result:
                         layer.result = outcome.layer_result
                         layer.fused = outcome.fused
+                        layer.facts = outcome.facts
                         if outcome.note:
                             layer.notes.append(outcome.note)
                     break
@@ -264,7 +266,7 @@ class PassManager:
             cleanup(model)
 
 
-def _violations(graph: ir.Graph, ctx: RewriteContext, layers) -> list[str]:
+def _violations(graph: ir.Graph, ctx: RewriteContext, layers) -> list[Violation]:
     """Nodes the EP's record does not take, after legalization (always a reason to refuse).
 
     Legalization maps every node the record does not take to one it does or to primitives;
@@ -280,7 +282,7 @@ def _violations(graph: ir.Graph, ctx: RewriteContext, layers) -> list[str]:
         if layer is not None:
             layer.runs_on_ep = False
         domain = node.domain or "ai.onnx"
-        found.append(f"{node.name or node.op_type} ({domain}::{node.op_type}) needs {flags}")
+        found.append(Violation(node.name or node.op_type, domain, node.op_type, tuple(flags)))
     return found
 
 

@@ -7,6 +7,9 @@ import dataclasses
 import json
 from typing import Any
 
+from epfuse.capabilities.conformance import Violation
+from epfuse.patterns.base import AttentionFacts
+
 METADATA_KEY = "epfuse.report"
 
 
@@ -24,12 +27,22 @@ class LayerReport:
     notes: list[str] = dataclasses.field(default_factory=list)
     runs_on_ep: bool = True
     """False when the layer was kept in a form the EP's record does not run (it falls back)."""
+    facts: AttentionFacts | None = None
+    """For a fused layer: the fused node's parameters (heads, head size, rotary, window,
+    softcap, sinks) as fields; read these, not ``notes``."""
 
     def keep(self, code: str, message: str) -> None:
         """Record why (part of) the layer was kept: the message as shown, the code once."""
         self.reasons.append(message)
         if code not in self.codes:
             self.codes.append(str(code))
+
+
+def _layer_from_dict(data: dict[str, Any]) -> LayerReport:
+    data = dict(data)
+    if data.get("facts") is not None:
+        data["facts"] = AttentionFacts(**data["facts"])
+    return LayerReport(**data)
 
 
 @dataclasses.dataclass
@@ -59,8 +72,9 @@ class Report:
     nodes_after: int = 0
     ops_after: dict[str, int] = dataclasses.field(default_factory=dict)
     seconds: float = 0.0
-    violations: list[str] = dataclasses.field(default_factory=list)
-    """Nodes the EP's record does not take after legalization (a model with any is refused)."""
+    violations: list[Violation] = dataclasses.field(default_factory=list)
+    """Nodes the EP's record does not take after legalization (a model with any is refused);
+    ``str()`` of each is its one-line description."""
     warnings: list[str] = dataclasses.field(default_factory=list)
     """What the run could not do as designed but that did not make the model wrong (a stage
     without a fixed point, shape inference that failed), and what the caller should know
@@ -87,8 +101,12 @@ class Report:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Report:
         data = dict(data)
-        data["layers"] = [LayerReport(**x) for x in data.get("layers", [])]
+        data["layers"] = [_layer_from_dict(x) for x in data.get("layers", [])]
         data["rules"] = [RuleReport(**x) for x in data.get("rules", [])]
+        data["violations"] = [
+            Violation(**{**x, "needs": tuple(x["needs"])}) if isinstance(x, dict) else x
+            for x in data.get("violations", [])
+        ]
         return cls(**data)
 
     def summary(self) -> str:

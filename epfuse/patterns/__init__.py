@@ -2,7 +2,7 @@
 ``lower`` (standard ONNX -> what the chosen EP runs best) and ``legalize`` (whatever the EP's
 record still does not take -> an op it does, or primitives). ``RULES`` lists them in order."""
 
-from .base import Kept, OptimizeOptions, RewriteContext, Rewritten, Rule, Stage
+from .base import AttentionFacts, Kept, OptimizeOptions, RewriteContext, Rewritten, Rule, Stage
 from .canonicalize.attention_sinks import AttentionSinksToAttention
 from .canonicalize.kv_cache import KVConcatToAttentionPast
 from .canonicalize.partial_rotary import PartialRotaryToRotaryDim
@@ -60,6 +60,7 @@ RULES: tuple[Rule, ...] = (
 
 __all__ = [
     "RULES",
+    "AttentionFacts",
     "Kept",
     "OptimizeOptions",
     "ReasonCode",

@@ -51,6 +51,28 @@ class Kept:
 
 
 @dataclasses.dataclass(frozen=True)
+class AttentionFacts:
+    """What an attention lowering emitted, as fields: the report's ``LayerReport.facts``,
+    which the API, the genai packager and tests read instead of the note's prose."""
+
+    op: str
+    """``domain::op_type`` of the fused node (``com.microsoft::GroupQueryAttention``)."""
+    num_heads: int
+    kv_num_heads: int
+    head_size: int
+    do_rotary: bool = False
+    """RoPE fused into the node (then ``rotary_*`` describe it)."""
+    rotary_dim: int | None = None
+    rotary_interleaved: bool = False
+    rotary_cache_rows: int | None = None
+    """Rows of the fused cos/sin caches: the positions the node takes."""
+    local_window_size: int | None = None
+    """The proven sliding window (None: full causal)."""
+    softcap: float | None = None
+    head_sink: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
 class Rewritten:
     note: str = ""
     layer_result: str | None = None
@@ -58,6 +80,8 @@ class Rewritten:
     fused: bool = True
     """With ``layer_result``: whether the layer now counts as fused (legalizing a layer into
     standard or primitive ops does not)."""
+    facts: AttentionFacts | None = None
+    """With ``layer_result``: the fused node's parameters, for readers (not prose)."""
 
 
 Outcome = Kept | Rewritten | None

@@ -46,7 +46,7 @@ from .._graph import (
 from .._layout import bsd_consumer, from_bsd, to_bsd
 from ..analysis.head_counts import attention_heads
 from ..analysis.switched_caches import switched_cache
-from ..base import Kept, RewriteContext, Rewritten, Rule, Stage
+from ..base import AttentionFacts, Kept, RewriteContext, Rewritten, Rule, Stage
 from ..canonicalize.rope_caches import evaluated_equal
 from ..canonicalize.rotate_half import RotateHalfToRotaryEmbedding
 from ..mask_analysis import ProvenMask, analyze_mask
@@ -247,7 +247,25 @@ class AttentionToGQA(Rule):
             extras.append(f"RoPE kept outside: {rope_plan.reason}")
         elif rope_plan.fused and switched_cache(rope_plan.q.cos) is not None:
             extras.append("LongRoPE caches chosen per call")
-        return Rewritten("; ".join(extras), layer_result=result)
+        cos = None  # the fused cos cache, (rows, rotary_dim / 2); LongRoPE's two are alike
+        if rope_plan.fused:
+            cos = rope_plan.q.caches()[0]
+            if cos is None and (switched := switched_cache(rope_plan.q.cos)) is not None:
+                cos = switched.when_true
+        facts = AttentionFacts(
+            op="com.microsoft::GroupQueryAttention",
+            num_heads=num_heads,
+            kv_num_heads=kv_heads,
+            head_size=head_size,
+            do_rotary=rope_plan.fused,
+            rotary_dim=2 * int(cos.shape[1]) if cos is not None else None,
+            rotary_interleaved=rope_plan.fused and rope_plan.q.interleaved,
+            rotary_cache_rows=int(cos.shape[0]) if cos is not None else None,
+            local_window_size=int(mask.window) if mask.window is not None else None,
+            softcap=softcap or None,
+            head_sink=sink is not None,
+        )
+        return Rewritten("; ".join(extras), layer_result=result, facts=facts)
 
     def _plan_rope(self, q: ir.Value, k: ir.Value, head_size: int, ctx: RewriteContext):
         caps = ctx.ops.gqa
