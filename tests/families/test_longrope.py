@@ -136,6 +136,9 @@ def test_every_layer_fuses_the_switched_caches(exported):
     inits = {i.name: numpy_helper.to_array(i) for i in optimized.graph.initializer}
     gqa = [n for n in optimized.graph.node if n.op_type == "GroupQueryAttention"]
     rows = inits[producers[gqa[0].input[7]].input[1]].shape[0]
+    assert {(layer.facts.do_rotary, layer.facts.rotary_cache_rows) for layer in report.layers} == {
+        (True, rows)
+    }  # the report's facts read the switched caches' rows too
     (long_cos, long_sin), (short_cos, short_sin) = _hf_caches(
         LONGROPE_FAMILIES[name].make_config(), rows
     )
