@@ -360,3 +360,70 @@ def test_int4_package_generates_the_unfused_int4_tokens(family, tmp_path):
     want, _ = _python_loop(tmp_path / "unfused-int4.onnx", PROMPTS[0])
     (got,), _ = genai_generate(og.Model(str(package.directory)), [PROMPTS[0]], logits=False)
     assert got == want
+
+
+# ---------------------------------------------------------------------------- LongRoPE
+# Tiny Phi-3.5-mini / Phi-4-mini LongRoPE (switch at 16 positions): the package fuses the
+# switched caches into GQA and genai runs it with the shared buffer. Hugging Face's
+# ``generate`` recomputes the whole cache with the long factors when a sequence first
+# crosses the switch (``Phi3ForCausalLM.prepare_inputs_for_generation``), which no KV-cache
+# model does (the export, genai's own builder): up to the switch genai must give HF's tokens,
+# across it the export's own greedy loop (HF's forward on its KV cache).
+
+
+@pytest.fixture(scope="module", params=["phi3-longrope", "phi4-mini-longrope"])
+def longrope(request, tmp_path_factory):
+    from transformers import GenerationConfig
+
+    from epfuse.testing.hf_families import LONGROPE_FAMILIES
+
+    root = tmp_path_factory.mktemp(f"genai-{request.param}")
+    config = LONGROPE_FAMILIES[request.param].make_config()
+    config.bos_token_id, config.eos_token_id, config.pad_token_id = BOS, EOS, PAD
+    plain = export_hf_decoder(config, root / "plain.onnx", opset=23, seed=0)
+    hf_dir = root / "hf"
+    config.save_pretrained(str(hf_dir))
+    GenerationConfig(bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD).save_pretrained(
+        str(hf_dir)
+    )
+    save_tiny_tokenizer(hf_dir)
+    optimized, report = epfuse.optimize_with_report(plain, "cpu", max_seq_len=64)
+    package = write_genai_package(optimized, report, root / "genai", hf_config_dir=hf_dir)
+    return config, plain, package, report, og.Model(str(package.directory))
+
+
+def _export_loop(path: Path, prompt: list[int], n: int) -> tuple[list[int], np.ndarray]:
+    """Greedy tokens and per-step logits of the export in a plain ORT loop (growing past)."""
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    pasts = [i for i in session.get_inputs() if i.name.startswith("past_key_values")]
+    past = [np.zeros((1, i.shape[1], 0, i.shape[3]), np.float32) for i in pasts]
+    ids, total, tokens, logits = np.array([prompt], np.int64), len(prompt), [], []
+    for _ in range(n):
+        feed = {
+            "input_ids": ids,
+            "attention_mask": np.ones((1, total), np.int64),
+            "position_ids": np.arange(total - ids.shape[1], total, dtype=np.int64)[None],
+            **{i.name: p for i, p in zip(pasts, past, strict=True)},
+        }
+        out = session.run(None, feed)
+        logits.append(out[0][0, -1])
+        tokens.append(int(logits[-1].argmax()))
+        past, ids, total = out[1:], np.array([[tokens[-1]]], np.int64), total + 1
+    return tokens, np.stack(logits)
+
+
+def test_longrope_package_generates_across_the_switch(longrope):
+    from epfuse.testing.hf_families import LONGROPE_ORIGINAL_MAX
+
+    config, plain, package, report, model = longrope
+    assert report.fused_layers == 2
+    assert all("LongRoPE caches chosen per call" in layer.notes[0] for layer in report.layers)
+    assert package.share_buffer and package.share_buffer_blocker is None
+    prompt = PROMPTS[0]  # 11 tokens: 5 new ones reach the switch, 32 go well past it
+    below = LONGROPE_ORIGINAL_MAX - len(prompt)
+    want, want_logits = hf_generate(hf_model(config, 0), prompt, below)
+    (got,), got_logits = genai_generate(model, [prompt], below)
+    _assert_same_generation(got, got_logits[0], want, want_logits, "up to the switch")
+    want, want_logits = _export_loop(plain, prompt, NEW_TOKENS)
+    (got,), got_logits = genai_generate(model, [prompt], NEW_TOKENS)
+    _assert_same_generation(got, got_logits[0], want, want_logits, "across the switch")
