@@ -377,22 +377,31 @@ a few tens of tokens cross Hugging Face's short/long switch."""
 
 
 def _phi3_longrope(hidden: int = 64, partial: float = 1.0):
+    import transformers
     from transformers import Phi3Config
 
     head_dim = hidden // _COMMON["num_attention_heads"]
     half = int(head_dim * partial) // 2
+    if int(transformers.__version__.split(".")[0]) >= 5:
+        rope = rope_kwargs(
+            rope_type="longrope",
+            partial_rotary_factor=partial,
+            original_max_position_embeddings=LONGROPE_ORIGINAL_MAX,
+            **_longrope_factors(half),
+        )
+    else:  # 4.x's Phi3Config takes exactly {type, short_factor, long_factor}
+        rope = {
+            "rope_theta": 1e4,
+            "partial_rotary_factor": partial,
+            "rope_scaling": {"type": "longrope", **_longrope_factors(half)},
+        }
     # max_position_embeddings 4x the original: the attention factor
     # sqrt(1 + ln 4 / ln 16) = 1.22 scales cos/sin (Hugging Face's attention_scaling).
     return Phi3Config(
         **{**_COMMON, "hidden_size": hidden, "max_position_embeddings": 4 * LONGROPE_ORIGINAL_MAX},
         original_max_position_embeddings=LONGROPE_ORIGINAL_MAX,
         pad_token_id=0,
-        **rope_kwargs(
-            rope_type="longrope",
-            partial_rotary_factor=partial,
-            original_max_position_embeddings=LONGROPE_ORIGINAL_MAX,
-            **_longrope_factors(half),
-        ),
+        **rope,
     )
 
 

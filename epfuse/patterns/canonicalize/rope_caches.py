@@ -654,20 +654,27 @@ def _switched_caches(ctx, node, switch, scale, dtype, cos, sin):
     _, cond, when_true, when_false = switch
     max_len = ctx.options.max_seq_len
     key = ("rope-switched", id(cond), when_true.tobytes(), when_false.tobytes(), scale, dtype)
-    if key in ctx.cache:
-        cached = ctx.cache[key]
-        if isinstance(cached, str):
-            return cached
-        proof_key = ("rope-switched-proof", key, id(cos), id(sin))
-        if proof_key not in ctx.cache:
-            reason, _ = _prove_switched(ctx.graph, switch, scale, dtype, max_len, cos, sin)
-            ctx.cache[proof_key] = reason
-        return ctx.cache[proof_key] or cached
-    arrays = [_cache_arrays(freqs, scale, dtype, max_len) for freqs in (when_true, when_false)]
-    reason, described = _prove_switched(ctx.graph, switch, scale, dtype, max_len, cos, sin, arrays)
-    if reason:
-        ctx.cache[key] = reason
+    arrays_key = ("rope-switched-arrays", key, max_len)
+    if arrays_key not in ctx.cache:
+        ctx.cache[arrays_key] = [
+            _cache_arrays(freqs, scale, dtype, max_len) for freqs in (when_true, when_false)
+        ]
+    arrays = ctx.cache[arrays_key]
+    found: dict[str, str] = {}
+
+    def prove() -> str | None:
+        reason, found["described"] = _prove_switched(
+            ctx.graph, switch, scale, dtype, max_len, cos, sin, arrays
+        )
         return reason
+
+    # Per cos/sin pair; duplicates of a proven pair (per-layer copies) share its proof.
+    reason = _proven_once(ctx, ("rope-switched-proof", key), cos, sin, prove)
+    if reason:
+        return reason
+    if key in ctx.cache:
+        return ctx.cache[key]
+    described = found.get("described", "")
     builder = Builder(ctx.graph, node, "epfuse/rope")
     selected = []
     for i, name in enumerate(("cos", "sin")):
@@ -686,7 +693,6 @@ def _switched_caches(ctx, node, switch, scale, dtype, cos, sin):
             ctx.graph.insert_before(ctx.graph.node(0), where)
         selected.append(out)
     ctx.cache[key] = (*selected, described)
-    ctx.cache[("rope-switched-proof", key, id(cos), id(sin))] = None
     return ctx.cache[key]
 
 
