@@ -134,7 +134,8 @@ def share_buffer_blocker(model: ir.Model, names: KVNames | None = None) -> str |
     """Why past and present cannot share one buffer in ``model``, or None when they can.
 
     Sharing is safe when, in every layer, the past key/value inputs are read only as inputs
-    3/4 of one GroupQueryAttention and its outputs 1/2 are the present key/value outputs.
+    3/4 of one GroupQueryAttention (or by a ``Shape`` of axes other than the sequence) and
+    its outputs 1/2 are the present key/value outputs.
     """
     names = names or kv_names(model)
     graph = model.graph
@@ -147,6 +148,8 @@ def share_buffer_blocker(model: ir.Model, names: KVNames | None = None) -> str |
             value = inputs[name]
             for use in value.uses():
                 node = use.node
+                if _reads_no_sequence_axis(node):
+                    continue  # batch, heads or head size: the same in the shared buffer
                 if (node.domain, node.op_type) != _GQA:
                     return (
                         f"{name} is read by {node.op_type} {node.name!r}, not only by "
@@ -158,7 +161,7 @@ def share_buffer_blocker(model: ir.Model, names: KVNames | None = None) -> str |
                 if gqa is not None and node is not gqa:
                     return f"{name} feeds more than one GroupQueryAttention"
                 gqa = node
-            if not value.uses():
+            if not any((u.node.domain, u.node.op_type) == _GQA for u in value.uses()):
                 return f"{name} is not read by a GroupQueryAttention"
         assert gqa is not None
         for name, index in ((present_k, 1), (present_v, 2)):
@@ -166,6 +169,25 @@ def share_buffer_blocker(model: ir.Model, names: KVNames | None = None) -> str |
             if value.producer() is not gqa or value.index() != index:
                 return f"{name} is not output {index} of the GroupQueryAttention reading the past"
     return None
+
+
+_GENAI_TYPES = {"hunyuan_v1_dense": "hunyuandensev1", "gpt_oss": "gptoss"}
+"""Hugging Face ``model_type`` -> genai's ``model.type`` where they are spelled differently
+(genai's builder writes the architecture name without ``For...``, lowercased:
+``HunYuanDenseV1ForCausalLM`` -> ``hunyuandensev1``); genai 0.18 refuses other spellings
+(``Unsupported model_type in config.json: hunyuan_v1_dense``)."""
+
+
+def _reads_no_sequence_axis(node: ir.Node) -> bool:
+    """A ``Shape(past, start, end)`` whose slice leaves out axis 2: the shared buffer
+    (batch, kv_heads, max_length, head_size) differs from the past only on that axis
+    (dynamo exports read the batch size off a past: ``Shape(past, 0, 1)``)."""
+    if (node.domain, node.op_type) != ("", "Shape"):
+        return False
+    start = node.attributes.get_int("start", 0)
+    end = node.attributes.get_int("end", 4)
+    start, end = (i + 4 if i < 0 else i for i in (start, end))
+    return not start <= 2 < end
 
 
 def _dim(value: ir.Value, axis: int) -> int | None:
@@ -337,6 +359,7 @@ def genai_config(
     if record.name in _GENAI_PROVIDERS:
         provider_options.append({_GENAI_PROVIDERS[record.name]: {}})
     model_type = str(text.get("model_type") or hf.get("model_type") or "llama")
+    model_type = _GENAI_TYPES.get(model_type, model_type)
     config = {
         "model": {
             "bos_token_id": _first_id(ids["bos_token_id"]),

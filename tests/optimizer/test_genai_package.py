@@ -83,6 +83,32 @@ def test_a_shape_of_the_past_blocks_sharing(example_model):
     assert reason is not None and "read by Shape 'reads_past_length'" in reason
 
 
+@pytest.mark.parametrize(("start", "end", "blocks"), [(0, 1, False), (3, 4, False), (2, 3, True)])
+def test_only_a_shape_of_the_sequence_axis_blocks_sharing(example_model, start, end, blocks):
+    """Shape(past, 0, 1) (a dynamo export reading the batch off a past) reads the same in the
+    shared (batch, heads, max_length, head) buffer; a slice over axis 2 does not."""
+    model, _ = epfuse.optimize_with_report(example_model, "cpu")
+    past = next(v for v in model.graph.inputs if v.name == "past_key_values.1.value")
+    shape = ir.node("Shape", [past], {"start": start, "end": end}, name="reads_past")
+    model.graph.append(shape)
+    shape.outputs[0].name = "past_shape"
+    model.graph.outputs.append(shape.outputs[0])
+    reason = share_buffer_blocker(model)
+    assert (reason is not None) == blocks, reason
+    if blocks:
+        assert "read by Shape 'reads_past'" in reason
+
+
+def test_genai_model_type_is_genais_spelling(fused, tmp_path):
+    """genai 0.18 refuses 'hunyuan_v1_dense': the config says 'hunyuandensev1', as genai's
+    builder writes it (the architecture name without ForCausalLM, lowercased)."""
+    model, report = fused
+    hf = {"model_type": "hunyuan_v1_dense", "num_hidden_layers": 2, "vocab_size": 256}
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    config, _ = genai_config(model, report, "cpu", hf_config_dir=tmp_path)
+    assert config["model"]["type"] == "hunyuandensev1"
+
+
 def test_unfused_attention_cannot_share_and_says_why(unfused):
     model, report = unfused
     reason = share_buffer_blocker(model)
