@@ -12,7 +12,7 @@ from onnx import TensorProto, helper, numpy_helper
 import epfuse
 from epfuse.optimizer.cli import EXIT_NOT_EQUIVALENT, main
 from epfuse.optimizer.verify import compare_models, discover_io
-from epfuse.optimizer.verify.limits import default_lengths, read_limits
+from epfuse.optimizer.verify.limits import Limits, default_lengths, read_limits
 
 W = 8  # longer than the historical default prompt (7)
 
@@ -105,6 +105,19 @@ def test_length_threshold_is_passed():
     limits = read_limits(model)
     assert 20 in limits.thresholds
     assert default_lengths(limits)["prompt_len"] > 20
+
+
+def test_padded_decode_stays_below_a_threshold():
+    """Both sides of a length threshold run by default: the prompt, decode and chunk above
+    it, the padded decode (each model its own prompt, then 2 steps) at or below it. With a
+    sliding window the padded decode keeps the prompt's lengths (beyond the window)."""
+    lengths = default_lengths(Limits(thresholds={20: ["x"]}), steps=2)
+    assert lengths["prompt_len"] > 20
+    below = lengths["padded_decode_lens"]
+    assert max(below) + 2 <= 20 and len(set(below)) == 2
+    windowed = default_lengths(Limits(windows={8: ["w"]}, thresholds={20: ["x"]}))
+    assert "padded_decode_lens" not in windowed
+    assert "padded_decode_lens" not in default_lengths(Limits(windows={8: ["w"]}))
 
 
 def test_prompt_len_beyond_the_caches_is_refused(tmp_path, capsys):
