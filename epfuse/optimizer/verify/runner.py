@@ -499,8 +499,9 @@ def _padded_decode(
             if not check.passed:
                 result.skipped = (
                     f"the original's row {b} after its padded prompt differs from the row run "
-                    f"alone (max err {check.max_abs_err:.3g}): padding holes change its result "
-                    "(e.g. a sliding window over cache slots)"
+                    f"alone (max err {check.max_abs_err:.3g}): the batch changes its result "
+                    "(e.g. a sliding window over cache slots, padding holes included, or "
+                    "LongRoPE's switch on the batch's largest position)"
                 )
                 return result
     try:
