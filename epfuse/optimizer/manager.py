@@ -1,10 +1,25 @@
-"""The pass manager: canonicalize -> precision -> select by capability -> lower -> clean up.
+"""The pass manager: the optimizer's stages as onnx-ir passes, run in order on one model.
 
-Rules are grouped by the op they anchor on; each stage sweeps the graph, offering every node
-to the rules anchored on its op, and repeats until a sweep changes nothing (a fixed point).
-A sweep is linear in the number of nodes, and a rule touches only a bounded neighbourhood, so
-the whole run stays linear in graph size (no multi-output pattern search, no global
-re-optimization between rewrites).
+::
+
+    InferTypes -> Canonicalize -> Precision -> Select -> Lower -> Finalize -> Legalize
+      -> QuantizeInt4 -> CheckConformance -> CheckAcyclic -> Cleanup -> Summarize
+
+Each stage is an ``onnx_ir.passes.InPlacePass`` whose ``call(model)`` returns a
+:class:`StageResult` (an ``onnx_ir.passes.PassResult`` that also carries the run's
+:class:`~epfuse.optimizer.report.Report`). The stages of one run share a :class:`RunState`
+(the rewrite context, the report being written, the per-rule reports, the layers, the
+selected rules), so any stage can be run alone on a state made by :meth:`RunState.begin`.
+:class:`Pipeline` composes them like ``onnx_ir.passes.Sequential`` but lets a stage's
+exception through unwrapped: the API's rollback catches :class:`RewriteFailure` by type.
+Clean-up is onnx-ir's common passes.
+
+The rule stages (canonicalize, lower, finalize, legalize) group their rules by the op they
+anchor on; each sweeps the graph, offering every node to the rules anchored on its op, and
+repeats until a sweep changes nothing (a fixed point; a stage without one after
+``MAX_SWEEPS`` is a report warning). A sweep is linear in the number of nodes, and a rule
+touches only a bounded neighbourhood, so the whole run stays linear in graph size (no
+multi-output pattern search, no global re-optimization between rewrites).
 
 Selection happens between the stages: a lowering rule whose ``requires`` fails for the EP and
 dtype is not run at all, and the report says why. Validation of the result is done by the
@@ -13,9 +28,11 @@ caller (``epfuse.optimizer.api``), which never returns a model that fails it.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections import defaultdict
+from typing import ClassVar
 
 import onnx_ir as ir
 import onnx_ir.passes.common as common_passes
@@ -71,9 +88,339 @@ def _is_attention_anchor(anchor: tuple[str, str]) -> bool:
     return anchor == ("", "Attention")
 
 
+# ---------------------------------------------------------------------------- run state
+
+
+@dataclasses.dataclass
+class RunState:
+    """What the stages of one run share; :meth:`begin` makes it for a model."""
+
+    ctx: RewriteContext
+    report: Report
+    rule_reports: dict[str, RuleReport]
+    """Per rule of the rule set, in its order (the report's ``rules``)."""
+    active: list[Rule]
+    """The rule set less ``options.disabled_rules``."""
+    precision: PrecisionPlan | None = None
+    selected: list[Rule] = dataclasses.field(default_factory=list)
+    """The non-canonicalize rules the EP's record takes (filled by :class:`Select`)."""
+    layers: dict[int, LayerReport] = dataclasses.field(default_factory=dict)
+    """Attention layers by index (labelled by :class:`Canonicalize`)."""
+    start: float = dataclasses.field(default_factory=time.perf_counter)
+
+    @classmethod
+    def begin(
+        cls,
+        model: ir.Model,
+        ep: EPCapabilities,
+        dtype: str,
+        options: OptimizeOptions,
+        rules: tuple[Rule, ...] = RULES,
+        precision: PrecisionPlan | None = None,
+    ) -> RunState:
+        report_options: dict = {"max_seq_len": options.max_seq_len}
+        if options.skip_layers:
+            report_options["skip_layers"] = sorted(options.skip_layers)
+        report = Report(ep=ep.name, dtype=dtype, options=report_options)
+        report.nodes_before = len(model.graph)
+        rule_reports = {
+            rule.name: RuleReport(rule.name, rule.stage.value, selected=True) for rule in rules
+        }
+        for name, why in options.disabled_rules.items():
+            if name in rule_reports:
+                rule_reports[name].selected = False
+                rule_reports[name].not_selected_because = why
+                report.warnings.append(f"{name} {why}")
+        return cls(
+            ctx=RewriteContext(model=model, ep=ep, dtype=dtype, options=options),
+            report=report,
+            rule_reports=rule_reports,
+            active=[rule for rule in rules if rule.name not in options.disabled_rules],
+            precision=precision,
+        )
+
+
+@dataclasses.dataclass
+class StageResult(ir.passes.PassResult):
+    """An onnx-ir pass result that also carries the run's report (the same object for every
+    stage of a run: each stage adds to it)."""
+
+    report: Report
+
+
+class StagePass(ir.passes.InPlacePass):
+    """One stage of a run: edits the run's model in place and writes into its report."""
+
+    name: ClassVar[str]
+
+    def __init__(self, state: RunState):
+        self.state = state
+
+    def requires(self, model: ir.Model) -> None:
+        if model is not self.state.ctx.model:
+            raise ir.passes.PreconditionError(
+                f"{self.name}: the model is not the one this run's state was made for"
+            )
+
+    def call(self, model: ir.Model) -> StageResult:
+        return StageResult(model, self.apply(model), self.state.report)
+
+    def apply(self, model: ir.Model) -> bool:
+        """Run the stage; True when it changed the graph."""
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+class Pipeline(ir.passes.Sequential):
+    """``onnx_ir.passes.Sequential`` whose stage errors pass through as raised (Sequential
+    wraps them in ``PassError``; the API tells a rule's failure by its type)."""
+
+    def __init__(self, state: RunState, *passes: ir.passes.PassBase):
+        super().__init__(*passes)
+        self.state = state
+
+    def call(self, model: ir.Model) -> StageResult:
+        modified = False
+        for stage in self.passes:
+            result = stage(model)
+            model, modified = result.model, modified or result.modified
+        return StageResult(model, modified, self.state.report)
+
+
+# ------------------------------------------------------------------------------- stages
+
+
+class InferTypes(StagePass):
+    """ONNX type and shape inference, then the dims it left anonymous where provable."""
+
+    name = "infer-types"
+
+    def apply(self, model: ir.Model) -> bool:
+        failure = _infer_types(model)
+        if failure:
+            self.state.report.warnings.append(failure)
+        return False  # types and shapes only: no node changes
+
+
+class Canonicalize(StagePass):
+    """Lift exporter idioms to the standard form, whatever the EP (its rules are never
+    selected by capability: what the EP cannot take is the LEGALIZE stage's job); then label
+    the attention layers the report is kept by."""
+
+    name = "canonicalize"
+
+    def apply(self, model: ir.Model) -> bool:
+        state = self.state
+        canonical = [rule for rule in state.active if rule.stage is Stage.CANONICALIZE]
+        changed, kept = sweep(state, canonical)
+        layers = _label_layers(model.graph)
+        state.report.layers = layers
+        state.layers = {layer.layer: layer for layer in layers}
+        for node, reason in kept:
+            index = _layer_of(node)
+            if index is not None and node.graph is model.graph:
+                layers[index].keep(reason.code, reason.message)
+        return changed
+
+
+class Precision(StagePass):
+    """Convert the canonical graph to the plan's compute dtype: before selection, so the
+    record of the converted dtype decides the lowering."""
+
+    name = "precision"
+
+    def apply(self, model: ir.Model) -> bool:
+        state, plan = self.state, self.state.precision
+        if plan is None:
+            return False
+        state.report.precision = plan.to_dict()
+        if not plan.converts:
+            return False
+        summary = convert_float(model, plan.compute_dtype, state.ctx.float64_sources())
+        state.ctx.dtype = state.report.dtype = plan.compute_dtype
+        state.report.precision["conversion"] = summary.describe()
+        return True
+
+
+class Select(StagePass):
+    """Choose the lowering rules the EP's record takes; the others are reported (on every
+    layer, for the rules that decide what an attention layer becomes)."""
+
+    name = "select"
+
+    def apply(self, model: ir.Model) -> bool:
+        state = self.state
+        state.selected = []
+        for rule in state.active:
+            if rule.stage is Stage.CANONICALIZE:
+                continue
+            reason = rule.requires(state.ctx.ops, state.ctx.ep)
+            if reason is None:
+                state.selected.append(rule)
+                continue
+            state.rule_reports[rule.name].selected = False
+            state.rule_reports[rule.name].not_selected_because = reason
+            if _is_attention_anchor(rule.anchor):
+                for layer in state.report.layers:
+                    layer.keep(ReasonCode.EP_UNSUPPORTED, reason)
+        for index in sorted(state.ctx.options.skip_layers):
+            if index in state.layers:
+                state.layers[index].keep(ReasonCode.SKIPPED_LAYER, SKIPPED_REASON)
+        return False
+
+
+class _SelectedRules(StagePass):
+    """Sweep the selected rules of one stage to a fixed point."""
+
+    stage: ClassVar[Stage]
+
+    def apply(self, model: ir.Model) -> bool:
+        rules = [rule for rule in self.state.selected if rule.stage is self.stage]
+        return sweep(self.state, rules)[0]
+
+
+class Lower(_SelectedRules):
+    """Standard ops -> what the EP runs best (GQA, contrib rotary, norm fusions, MoE)."""
+
+    name, stage = "lower", Stage.LOWER
+
+
+class Finalize(_SelectedRules):
+    """Lowering that must see the attention decisions first."""
+
+    name, stage = "finalize", Stage.FINALIZE
+
+
+class Legalize(_SelectedRules):
+    """Every node the record does not take -> one it does, or its primitive expansion."""
+
+    name, stage = "legalize", Stage.LEGALIZE
+
+
+class QuantizeInt4(StagePass):
+    """int4 MatMul weights, last among the edits, so a packed QKV weight is one MatMul,
+    quantized as one weight."""
+
+    name = "quantize-int4"
+
+    def apply(self, model: ir.Model) -> bool:
+        plan = self.state.precision
+        if plan is None or plan.int4 is None:
+            return False
+        common_passes.RemoveUnusedNodesPass()(model)
+        self.state.report.precision["quantization"] = quantize_int4(model, plan.int4).describe()
+        return True
+
+
+class CheckConformance(StagePass):
+    """Nodes the record still does not take after legalization go into
+    ``report.violations`` (the API refuses such a model)."""
+
+    name = "check-conformance"
+
+    def apply(self, model: ir.Model) -> bool:
+        self.state.report.violations = _violations(model.graph, self.state.ctx, self.state.layers)
+        return False
+
+
+class CheckAcyclic(StagePass):
+    """One linear cycle check per run; the API finds the culprit by rerunning with a check
+    after every rewrite (``OptimizeOptions.check_rewrites``)."""
+
+    name = "check-acyclic"
+
+    def apply(self, model: ir.Model) -> bool:
+        if has_cycle(model.graph):
+            raise RewriteFailure(None, None, "a rewrite made the graph cyclic")
+        return False
+
+
+class Cleanup(StagePass):
+    """Drop the layer labels, then onnx-ir's dead-node, unused-opset and topological passes."""
+
+    name = "cleanup"
+
+    _COMMON = ir.passes.Sequential(
+        common_passes.RemoveUnusedNodesPass(),
+        common_passes.RemoveUnusedOpsetsPass(),
+        common_passes.TopologicalSortPass(),
+    )
+
+    def apply(self, model: ir.Model) -> bool:
+        for node in model.graph:
+            node.metadata_props.pop(LAYER_KEY, None)
+        return self._COMMON(model).modified
+
+
+class Summarize(StagePass):
+    """The report's closing facts: rules, the input contract, node and op counts, time."""
+
+    name = "summarize"
+
+    def apply(self, model: ir.Model) -> bool:
+        state, report, graph = self.state, self.state.report, model.graph
+        report.rules = list(state.rule_reports.values())
+        report.assumptions = _assumptions(graph, state.ctx.ep, state.ctx.dtype, state.ctx.options)
+        report.nodes_after = len(graph)
+        counts: dict[str, int] = defaultdict(int)
+        for node in graph:
+            counts[f"{node.domain + '::' if node.domain else ''}{node.op_type}"] += 1
+        report.ops_after = dict(sorted(counts.items()))
+        report.seconds = time.perf_counter() - state.start
+        return False
+
+
+class SummarizeReference(StagePass):
+    """The reference run (nothing lowered) reports no layers, only nodes and time."""
+
+    name = "summarize-reference"
+
+    def apply(self, model: ir.Model) -> bool:
+        report = self.state.report
+        report.layers = []
+        report.nodes_after = len(model.graph)
+        report.seconds = time.perf_counter() - self.state.start
+        return False
+
+
+STAGES: tuple[type[StagePass], ...] = (
+    InferTypes,
+    Canonicalize,
+    Precision,
+    Select,
+    Lower,
+    Finalize,
+    Legalize,
+    QuantizeInt4,
+    CheckConformance,
+    CheckAcyclic,
+    Cleanup,
+    Summarize,
+)
+"""A full run, in order."""
+
+REFERENCE_STAGES: tuple[type[StagePass], ...] = (
+    InferTypes,
+    Canonicalize,
+    Precision,
+    Cleanup,
+    QuantizeInt4,
+    SummarizeReference,
+)
+"""``lower=False``: the unfused model converted (and quantized) the same way."""
+
+
 class PassManager:
+    """Runs :data:`STAGES` with the rule set it is given (default ``patterns.RULES``)."""
+
     def __init__(self, rules: tuple[Rule, ...] = RULES):
         self.rules = rules
+
+    def pipeline(self, state: RunState, *, lower: bool = True) -> Pipeline:
+        """The run's stages as one onnx-ir pass (``pipeline(state)(model).report``)."""
+        return Pipeline(state, *(stage(state) for stage in (STAGES if lower else REFERENCE_STAGES)))
 
     def run(
         self,
@@ -93,177 +440,85 @@ class PassManager:
         PRECISION stage (then quantizes as ``precision`` says): the unfused model converted
         the same way, which ``optimize(verify=True)`` compares the result with.
         """
-        start = time.perf_counter()
-        graph = model.graph
-        report_options: dict = {"max_seq_len": options.max_seq_len}
-        if options.skip_layers:
-            report_options["skip_layers"] = sorted(options.skip_layers)
-        report = Report(ep=ep.name, dtype=dtype, options=report_options)
-        report.nodes_before = len(graph)
-        ctx = RewriteContext(model=model, ep=ep, dtype=dtype, options=options)
-        inference_failure = _infer_types(model)
-        if inference_failure:
-            report.warnings.append(inference_failure)
-        rule_reports = {
-            rule.name: RuleReport(rule.name, rule.stage.value, selected=True) for rule in self.rules
-        }
-        active = [rule for rule in self.rules if rule.name not in options.disabled_rules]
-        for name, why in options.disabled_rules.items():
-            if name in rule_reports:
-                rule_reports[name].selected = False
-                rule_reports[name].not_selected_because = why
-                report.warnings.append(f"{name} {why}")
+        state = RunState.begin(model, ep, dtype, options, self.rules, precision)
+        return self.pipeline(state, lower=lower)(model).report
 
-        # Canonicalize lifts to the standard form whatever the EP: its rules are never
-        # selected by capability (what the EP cannot take is the LEGALIZE stage's job).
-        canonical = [rule for rule in active if rule.stage is Stage.CANONICALIZE]
-        canonical_kept = self._sweep(ctx, canonical, rule_reports, {}, report)
-        layers = self._label_layers(graph)
-        report.layers = layers
-        for node, kept in canonical_kept:
-            index = _layer_of(node)
-            if index is not None and node.graph is graph:
-                layers[index].keep(kept.code, kept.message)
 
-        # PRECISION: before selection, so the record of the converted dtype applies.
-        if precision is not None:
-            report.precision = precision.to_dict()
-            if precision.converts:
-                summary = convert_float(model, precision.compute_dtype, ctx.float64_sources())
-                ctx.dtype = report.dtype = precision.compute_dtype
-                report.precision["conversion"] = summary.describe()
-        if not lower:
-            self._cleanup(model)
-            if precision is not None and precision.int4 is not None:
-                report.precision["quantization"] = quantize_int4(model, precision.int4).describe()
-            report.layers = []
-            report.nodes_after = len(graph)
-            report.seconds = time.perf_counter() - start
-            return report
+# ------------------------------------------------------------------------------- driver
 
-        selected = []
-        for rule in active:
-            if rule.stage is Stage.CANONICALIZE:
-                continue
-            reason = rule.requires(ctx.ops, ep)
-            if reason is None:
-                selected.append(rule)
-            else:
-                rule_reports[rule.name].selected = False
-                rule_reports[rule.name].not_selected_because = reason
-                if _is_attention_anchor(rule.anchor):
-                    for layer in layers:
-                        layer.keep(ReasonCode.EP_UNSUPPORTED, reason)
-        by_layer = {layer.layer: layer for layer in layers}
-        for index in sorted(options.skip_layers):
-            if index in by_layer:
-                by_layer[index].keep(ReasonCode.SKIPPED_LAYER, SKIPPED_REASON)
-        for stage in (Stage.LOWER, Stage.FINALIZE, Stage.LEGALIZE):
-            stage_rules = [r for r in selected if r.stage is stage]
-            self._sweep(ctx, stage_rules, rule_reports, by_layer, report)
-        if precision is not None and precision.int4 is not None:
-            # Last, so a packed QKV weight is one MatMul, quantized as one weight.
-            common_passes.RemoveUnusedNodesPass()(model)
-            report.precision["quantization"] = quantize_int4(model, precision.int4).describe()
-        report.violations = _violations(graph, ctx, by_layer)
 
-        if has_cycle(graph):  # one linear check per run; the API finds the culprit
-            raise RewriteFailure(None, None, "a rewrite made the graph cyclic")
-        self._cleanup(model)
-        report.rules = list(rule_reports.values())
-        report.assumptions = _assumptions(graph, ep, ctx.dtype, options)
-        report.nodes_after = len(graph)
-        counts: dict[str, int] = defaultdict(int)
-        for node in graph:
-            counts[f"{node.domain + '::' if node.domain else ''}{node.op_type}"] += 1
-        report.ops_after = dict(sorted(counts.items()))
-        report.seconds = time.perf_counter() - start
-        return report
+def sweep(state: RunState, rules: list[Rule]) -> tuple[bool, list[tuple[ir.Node, Kept]]]:
+    """Sweep ``rules`` to a fixed point: (whether any rewrote, the (node, Kept) of the rules
+    that kept a node in the last sweep).
 
-    # ------------------------------------------------------------------ driver
+    A stage still changing the graph after ``MAX_SWEEPS`` sweeps (two rules undoing each
+    other, or a rule rewriting its own output) stops there: the graph is still valid (each
+    rewrite is), but the report says so rather than returning as if converged.
+    """
+    by_anchor: dict[tuple[str, str], list[Rule]] = defaultdict(list)
+    for rule in rules:
+        by_anchor[rule.anchor].append(rule)
+    if not by_anchor:
+        return False, []
+    ctx, rule_reports, layers = state.ctx, state.rule_reports, state.layers
+    graph = ctx.graph
+    modified = False
+    for _ in range(MAX_SWEEPS):
+        changed = False
+        kept_now: dict[tuple[str, int], tuple[ir.Node, Kept]] = {}
+        for node in list(graph):
+            if node.graph is not graph:
+                continue  # removed by an earlier rewrite in this sweep
+            if ctx.options.skip_layers and ctx.skips(node):
+                continue  # a skipped layer's attention is offered to no rule
+            for rule in by_anchor.get((node.domain, node.op_type), ()):
+                outcome = _apply(rule, node, ctx)
+                if outcome is None:
+                    continue
+                if isinstance(outcome, Kept):
+                    kept_now[(rule.name, id(node))] = (node, outcome)
+                    continue
+                assert isinstance(outcome, Rewritten)
+                changed = modified = True
+                rule_reports[rule.name].rewritten += 1
+                layer = layers.get(_layer_of(node))
+                if layer is not None and outcome.layer_result:
+                    layer.result = outcome.layer_result
+                    layer.fused = outcome.fused
+                    layer.facts = outcome.facts
+                    if outcome.note:
+                        layer.notes.append(outcome.note)
+                break
+        if not changed:
+            for (rule_name, _), (node, kept) in kept_now.items():
+                rule_report = rule_reports[rule_name]
+                rule_report.kept += 1
+                if kept.message not in rule_report.kept_reasons:
+                    rule_report.kept_reasons.append(kept.message)
+                if kept.code not in rule_report.kept_codes:
+                    rule_report.kept_codes.append(str(kept.code))
+                layer = layers.get(_layer_of(node))
+                if layer is not None and node.graph is graph:
+                    layer.keep(kept.code, kept.message)
+            return modified, list(kept_now.values())
+    stage = rules[0].stage.value
+    state.report.warnings.append(
+        f"{stage} reached no fixed point after {MAX_SWEEPS} sweeps (rules still rewriting: "
+        f"{', '.join(sorted({r.name for r in rules if rule_reports[r.name].rewritten}))})"
+    )
+    return modified, []
 
-    def _sweep(
-        self, ctx, rules, rule_reports, layers: dict[int, LayerReport], report: Report
-    ) -> list[tuple[ir.Node, str]]:
-        """Sweep to a fixed point; return the (node, Kept) of rules that kept a node.
 
-        A stage still changing the graph after ``MAX_SWEEPS`` sweeps (two rules undoing each
-        other, or a rule rewriting its own output) stops there: the graph is still valid (each
-        rewrite is), but the report says so rather than returning as if converged.
-        """
-        by_anchor: dict[tuple[str, str], list[Rule]] = defaultdict(list)
-        for rule in rules:
-            by_anchor[rule.anchor].append(rule)
-        if not by_anchor:
-            return []
-        graph = ctx.graph
-        for _ in range(MAX_SWEEPS):
-            changed = False
-            kept_now: dict[tuple[str, int], tuple[ir.Node, Kept]] = {}
-            for node in list(graph):
-                if node.graph is not graph:
-                    continue  # removed by an earlier rewrite in this sweep
-                if ctx.options.skip_layers and ctx.skips(node):
-                    continue  # a skipped layer's attention is offered to no rule
-                for rule in by_anchor.get((node.domain, node.op_type), ()):
-                    outcome = _apply(rule, node, ctx)
-                    if outcome is None:
-                        continue
-                    if isinstance(outcome, Kept):
-                        kept_now[(rule.name, id(node))] = (node, outcome)
-                        continue
-                    assert isinstance(outcome, Rewritten)
-                    changed = True
-                    rule_reports[rule.name].rewritten += 1
-                    layer = layers.get(_layer_of(node))
-                    if layer is not None and outcome.layer_result:
-                        layer.result = outcome.layer_result
-                        layer.fused = outcome.fused
-                        layer.facts = outcome.facts
-                        if outcome.note:
-                            layer.notes.append(outcome.note)
-                    break
-            if not changed:
-                for (rule_name, _), (node, kept) in kept_now.items():
-                    rule_report = rule_reports[rule_name]
-                    rule_report.kept += 1
-                    if kept.message not in rule_report.kept_reasons:
-                        rule_report.kept_reasons.append(kept.message)
-                    if kept.code not in rule_report.kept_codes:
-                        rule_report.kept_codes.append(str(kept.code))
-                    layer = layers.get(_layer_of(node))
-                    if layer is not None and node.graph is graph:
-                        layer.keep(kept.code, kept.message)
-                return list(kept_now.values())
-        stage = rules[0].stage.value
-        report.warnings.append(
-            f"{stage} reached no fixed point after {MAX_SWEEPS} sweeps (rules still rewriting: "
-            f"{', '.join(sorted({r.name for r in rules if rule_reports[r.name].rewritten}))})"
-        )
-        return []
-
-    @staticmethod
-    def _label_layers(graph: ir.Graph) -> list[LayerReport]:
-        layers = []
-        for node in graph:
-            if not _is_attention(node):
-                continue
-            index = len(layers)
-            node.metadata_props[LAYER_KEY] = str(index)
-            result = "Attention (kept)" if node.domain == "" else "GroupQueryAttention (input)"
-            layers.append(LayerReport(layer=index, node=node.name or node.op_type, result=result))
-        return layers
-
-    @staticmethod
-    def _cleanup(model: ir.Model) -> None:
-        for node in model.graph:
-            node.metadata_props.pop(LAYER_KEY, None)
-        for cleanup in (
-            common_passes.RemoveUnusedNodesPass(),
-            common_passes.RemoveUnusedOpsetsPass(),
-            common_passes.TopologicalSortPass(),
-        ):
-            cleanup(model)
+def _label_layers(graph: ir.Graph) -> list[LayerReport]:
+    layers = []
+    for node in graph:
+        if not _is_attention(node):
+            continue
+        index = len(layers)
+        node.metadata_props[LAYER_KEY] = str(index)
+        result = "Attention (kept)" if node.domain == "" else "GroupQueryAttention (input)"
+        layers.append(LayerReport(layer=index, node=node.name or node.op_type, result=result))
+    return layers
 
 
 def _violations(graph: ir.Graph, ctx: RewriteContext, layers) -> list[Violation]:

@@ -1,5 +1,7 @@
-"""The pass manager as a driver: its rule set is an argument, a stage that never converges is
-reported, and a failed shape inference is a report warning, not a traceback on stderr."""
+"""The pass manager as a driver: its stages are onnx-ir passes run in a fixed order (each can
+run alone, a failed rewrite reaches the caller as itself), its rule set is an argument, a
+stage that never converges is reported, and a failed shape inference is a report warning,
+not a traceback on stderr."""
 
 from __future__ import annotations
 
@@ -7,9 +9,19 @@ import logging
 
 import onnx
 import onnx_ir as ir
+import pytest
 
 from epfuse import get_ep
-from epfuse.optimizer.manager import MAX_SWEEPS, PassManager
+from epfuse.optimizer.manager import (
+    MAX_SWEEPS,
+    Canonicalize,
+    Lower,
+    PassManager,
+    RewriteFailure,
+    RunState,
+    Select,
+    StageResult,
+)
 from epfuse.patterns import OptimizeOptions, Rewritten, Rule, Stage
 
 
@@ -74,3 +86,125 @@ def test_chunked_prefill_assumption_comes_from_the_record():
     assert any("needs batch 1" in note for note in cpu)
     assert get_ep("cuda").ops("float16").gqa.chunked_prefill_needs_batch1 is False
     assert not any("needs batch 1" in note for note in cuda)
+
+
+# ------------------------------------------------------------------ stages as onnx-ir passes
+
+
+class _Recorder(Rule):
+    """Records the stage it ran in (once per sweep over the one Relu) and changes nothing."""
+
+    anchor = ("", "Relu")
+    description = "records when it is offered a node"
+
+    def __init__(self, stage: Stage, log: list[str]):
+        self.stage, self.name, self.log = stage, f"test-record-{stage.value}", log
+
+    def apply(self, node, ctx):
+        self.log.append(self.stage.value)
+        return None
+
+
+class _RenameOnce(Rule):
+    """One rewrite, then a fixed point: the stage reports that it changed the graph."""
+
+    name = "test-rename-once"
+    anchor = ("", "Relu")
+    stage = Stage.CANONICALIZE
+    description = "renames the Relu once"
+
+    def apply(self, node, ctx):
+        if node.name == "renamed":
+            return None
+        node.name = "renamed"
+        return Rewritten("renamed")
+
+
+class _Raises(Rule):
+    name = "test-raises"
+    anchor = ("", "Relu")
+    stage = Stage.LOWER
+    description = "fails while rewriting"
+
+    def apply(self, node, ctx):
+        raise ValueError("broken rewrite")
+
+
+def _recorders(log: list[str]) -> tuple[Rule, ...]:
+    # Given in reverse stage order: the stages, not the rule set's order, decide when each runs.
+    return tuple(
+        _Recorder(stage, log)
+        for stage in (Stage.LEGALIZE, Stage.FINALIZE, Stage.LOWER, Stage.CANONICALIZE)
+    )
+
+
+def test_stages_are_onnx_ir_passes_run_in_order():
+    log: list[str] = []
+    model = _relu_chain()
+    rules = _recorders(log)
+    state = RunState.begin(model, get_ep("cpu"), "float32", OptimizeOptions(), rules)
+    pipeline = PassManager(rules).pipeline(state)
+    assert isinstance(pipeline, ir.passes.PassBase) and pipeline.in_place
+    assert [str(stage) for stage in pipeline.passes] == [
+        "infer-types",
+        "canonicalize",
+        "precision",
+        "select",
+        "lower",
+        "finalize",
+        "legalize",
+        "quantize-int4",
+        "check-conformance",
+        "check-acyclic",
+        "cleanup",
+        "summarize",
+    ]
+    assert all(isinstance(stage, ir.passes.InPlacePass) for stage in pipeline.passes)
+    result = pipeline(model)
+    assert isinstance(result, StageResult) and isinstance(result, ir.passes.PassResult)
+    assert result.model is model and result.report is state.report
+    assert result.modified is False  # the recorders never rewrite
+    assert log == ["canonicalize", "lower", "finalize", "legalize"]
+    assert [r.name for r in result.report.rules] == [r.name for r in rules]
+
+
+def test_a_stage_runs_alone():
+    log: list[str] = []
+    model = _relu_chain()
+    rules = (_RenameOnce(), *_recorders(log))
+    state = RunState.begin(model, get_ep("cpu"), "float32", OptimizeOptions(), rules)
+    result = Canonicalize(state)(model)
+    assert isinstance(result, StageResult) and result.modified is True
+    assert model.graph.node(0).name == "renamed"
+    assert state.rule_reports["test-rename-once"].rewritten == 1
+    # Offered the Relu only in the second (fixed-point) sweep: in the first, the rename came
+    # first and a rewritten node is offered to no later rule in that sweep.
+    assert log == ["canonicalize"]
+    assert Lower(state)(model).modified is False and log == ["canonicalize"]  # none selected
+    Select(state)(model)
+    Lower(state)(model)
+    assert log == ["canonicalize", "lower"]
+
+
+def test_a_stage_refuses_another_model():
+    state = RunState.begin(_relu_chain(), get_ep("cpu"), "float32", OptimizeOptions(), ())
+    with pytest.raises(ir.passes.PreconditionError):
+        Canonicalize(state)(_relu_chain())
+
+
+def test_a_failed_rewrite_reaches_the_caller_unwrapped():
+    # onnx-ir's Sequential would wrap it in PassError; the API rolls back on RewriteFailure.
+    with pytest.raises(RewriteFailure) as failure:
+        PassManager((_Raises(),)).run(_relu_chain(), get_ep("cpu"), "float32", OptimizeOptions())
+    assert failure.value.rule == "test-raises"
+    assert "ValueError" in failure.value.why
+
+
+def test_reference_run_lowers_nothing():
+    log: list[str] = []
+    rules = _recorders(log)
+    report = PassManager(rules).run(
+        _relu_chain(), get_ep("cpu"), "float32", OptimizeOptions(), lower=False
+    )
+    assert log == ["canonicalize"]
+    assert report.layers == [] and report.nodes_after == 1
