@@ -12,6 +12,10 @@ back separately as ``kept`` (for inspecting inputs, e.g. an input model against 
 *some* form: softcap values, sliding windows (GQA ``local_window_size`` or a standard
 ``Attention`` that still has its mask), interleaved and partial rotations. Tests compare the
 features of the original and the optimized model.
+
+Everything here reads onnx_ir nodes, so the optimizer (legalization, its final check) asks
+about its own graph without converting it; :func:`check` and :func:`features` also take an
+``onnx.ModelProto`` (a test's or a file's model), deserialized once at that boundary.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import dataclasses
 from typing import Any
 
 import onnx
-from onnx import numpy_helper
+import onnx_ir as ir
 
 from .emissions import Capability
 from .records import EPCapabilities
@@ -30,12 +34,17 @@ _GENERIC_VENDOR_OK: frozenset[str] = frozenset()
 """com.microsoft ops no record flag governs (none yet: every vendor op needs a flag)."""
 
 
-def _attrs(node: onnx.NodeProto) -> dict[str, Any]:
-    return {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+def _attr(node: ir.Node, name: str, default: Any) -> Any:
+    attr = node.attributes.get(name)
+    return default if attr is None else attr.value
 
 
-def _present(node: onnx.NodeProto, index: int) -> bool:
-    return index < len(node.input) and bool(node.input[index])
+def _present(node: ir.Node, index: int) -> bool:
+    return index < len(node.inputs) and node.inputs[index] is not None
+
+
+def _as_ir(model: onnx.ModelProto | ir.Model) -> ir.Model:
+    return ir.serde.deserialize_model(model) if isinstance(model, onnx.ModelProto) else model
 
 
 _BY_OP: dict[tuple[str, str], Capability] = {
@@ -54,7 +63,7 @@ _BY_OP: dict[tuple[str, str], Capability] = {
 theirs in :func:`required_flags`)."""
 
 
-def required_flags(node: onnx.NodeProto) -> tuple[Capability | str, ...] | None:
+def required_flags(node: ir.Node) -> tuple[Capability | str, ...] | None:
     """The capabilities ``node`` needs; None for an ordinary ONNX op no capability governs.
 
     A vendor op no capability governs needs ``"vendor op <domain>::<op>"``, which no record
@@ -62,16 +71,15 @@ def required_flags(node: onnx.NodeProto) -> tuple[Capability | str, ...] | None:
     """
     domain = "" if node.domain in ("", "ai.onnx") else node.domain
     op = (domain, node.op_type)
-    a = _attrs(node)
     if op == ("com.microsoft", "GroupQueryAttention"):
         flags = [Capability.GQA]
-        if a.get("do_rotary", 0):
+        if _attr(node, "do_rotary", 0):
             flags += [Capability.GQA_FUSED_ROTARY, Capability.GQA_ROTARY_POSITION_IDS]
-            if a.get("rotary_interleaved", 0):
+            if _attr(node, "rotary_interleaved", 0):
                 flags.append(Capability.GQA_INTERLEAVED_ROTARY)
-        if a.get("softcap", 0.0):
+        if _attr(node, "softcap", 0.0):
             flags.append(Capability.GQA_SOFTCAP)
-        if a.get("local_window_size", -1) not in (-1, None):
+        if _attr(node, "local_window_size", -1) not in (-1, None):
             flags.append(Capability.GQA_LOCAL_WINDOW)
         if not _present(node, 1) and not _present(node, 2):
             flags.append(Capability.GQA_PACKED_QKV)
@@ -81,11 +89,11 @@ def required_flags(node: onnx.NodeProto) -> tuple[Capability | str, ...] | None:
             flags.append(Capability.GQA_HEAD_SINK)
         if _present(node, 14) or _present(node, 15):
             flags.append(Capability.GQA_QK_NORM)
-        if a.get("k_quant_type", b"NONE") not in (b"NONE", "NONE"):
+        if _attr(node, "k_quant_type", "NONE") != "NONE":
             flags.append(Capability.GQA_KV_CACHE_INT8)
         return tuple(flags)
     if op == ("", "Attention"):
-        if a.get("softcap", 0.0):
+        if _attr(node, "softcap", 0.0):
             return (Capability.ATTENTION, Capability.ATTENTION_SOFTCAP)
         return (Capability.ATTENTION,)
     if op in _BY_OP:
@@ -103,7 +111,7 @@ def flag_allowed(record: EPCapabilities, dtype: str, flag: Capability | str) -> 
     return flag.supported_by(record.ops(dtype))
 
 
-def missing_flags(node: onnx.NodeProto, record: EPCapabilities, dtype: str) -> list[str]:
+def missing_flags(node: ir.Node, record: EPCapabilities, dtype: str) -> list[str]:
     """The record flags ``node`` needs that ``record.ops(dtype)`` lacks ([] when it conforms).
 
     The one place that decides whether the EP takes a node: ``check`` reports with it and the
@@ -158,7 +166,7 @@ class Conformance:
     """How often each flag was needed."""
 
 
-def _signature(node: onnx.NodeProto) -> tuple[str, str, tuple[Capability | str, ...]] | None:
+def _signature(node: ir.Node) -> tuple[str, str, tuple[Capability | str, ...]] | None:
     flags = required_flags(node)
     if flags is None:
         return None
@@ -167,15 +175,15 @@ def _signature(node: onnx.NodeProto) -> tuple[str, str, tuple[Capability | str, 
 
 
 def check(
-    model: onnx.ModelProto,
+    model: ir.Model | onnx.ModelProto,
     record: EPCapabilities,
     dtype: str,
-    original: onnx.ModelProto | None = None,
+    original: ir.Model | onnx.ModelProto | None = None,
 ) -> Conformance:
     """Every node of ``model`` against ``record.ops(dtype)``; see the module docstring."""
-    from_input = {_signature(n) for n in original.graph.node} if original is not None else set()
+    from_input = {_signature(n) for n in _as_ir(original).graph} if original is not None else set()
     result = Conformance()
-    for node in model.graph.node:
+    for node in _as_ir(model).graph:
         signature = _signature(node)
         if signature is None:
             continue
@@ -210,39 +218,42 @@ class Features:
     with q_norm_weight/k_norm_weight."""
 
 
-def features(model: onnx.ModelProto, head_dim: int) -> Features:
-    inits = {t.name: t for t in model.graph.initializer}
+def _initializer_shape(value: ir.Value | None) -> tuple[int, ...] | None:
+    if value is None or not value.is_initializer() or value.const_value is None:
+        return None
+    return tuple(value.const_value.shape)
+
+
+def features(model: ir.Model | onnx.ModelProto, head_dim: int) -> Features:
     softcaps, windows, rotations = [], [], []
     masked = layers = head_norms = 0
-    shapes = {t.name: tuple(t.dims) for t in model.graph.initializer}
-    for node in model.graph.node:
-        a = _attrs(node)
+    for node in _as_ir(model).graph:
         domain = "" if node.domain in ("", "ai.onnx") else node.domain
         op = (domain, node.op_type)
         if op in (("", "Attention"), ("com.microsoft", "GroupQueryAttention")):
             layers += 1
-            if a.get("softcap", 0.0):
-                softcaps.append(round(float(a["softcap"]), 6))
+            if _attr(node, "softcap", 0.0):
+                softcaps.append(round(float(_attr(node, "softcap", 0.0)), 6))
         if op == ("", "Attention") and _present(node, 3):
             masked += 1
         if op == ("com.microsoft", "GroupQueryAttention"):
-            if a.get("local_window_size", -1) not in (-1, None):
-                windows.append(int(a["local_window_size"]))
-            if a.get("do_rotary", 0):
-                cos = inits.get(node.input[7])
-                width = 2 * int(numpy_helper.to_array(cos).shape[1]) if cos is not None else 0
+            if _attr(node, "local_window_size", -1) not in (-1, None):
+                windows.append(int(_attr(node, "local_window_size", -1)))
+            if _attr(node, "do_rotary", 0):
+                cos = _initializer_shape(node.inputs[7]) if _present(node, 7) else None
+                width = 2 * int(cos[1]) if cos is not None else 0
                 dim = 0 if width == head_dim else width
-                inter = int(a.get("rotary_interleaved", 0))
+                inter = int(_attr(node, "rotary_interleaved", 0))
                 rotations += [(inter, dim), (inter, dim)]
         if op == ("com.microsoft", "GroupQueryAttention") and _present(node, 14):
             head_norms += 2
-        if node.op_type in _NORMS and len(node.input) > 1:
-            scale = node.input[2 if node.op_type.startswith("Skip") else 1]
-            if shapes.get(scale) == (head_dim,):
+        if node.op_type in _NORMS and len(node.inputs) > 1:
+            scale = node.inputs[2 if node.op_type.startswith("Skip") else 1]
+            if _initializer_shape(scale) == (head_dim,):
                 head_norms += 1
         if node.op_type == "RotaryEmbedding" and domain in ("", "com.microsoft"):
-            dim = int(a.get("rotary_embedding_dim", 0))
-            rotations.append((int(a.get("interleaved", 0)), 0 if dim == head_dim else dim))
+            dim = int(_attr(node, "rotary_embedding_dim", 0))
+            rotations.append((int(_attr(node, "interleaved", 0)), 0 if dim == head_dim else dim))
     return Features(
         softcaps=tuple(sorted(softcaps)),
         windows=tuple(sorted(windows)),

@@ -11,10 +11,7 @@ from ..base import RewriteContext
 
 def missing(node: ir.Node, ctx: RewriteContext) -> list[str]:
     """Record flags ``node`` needs and the EP lacks for the run's dtype ([] if it conforms)."""
-    proto = ir.serde.serialize_node(node)
-    del proto.input[:]
-    proto.input.extend(f"in{i}" if v is not None else "" for i, v in enumerate(node.inputs))
-    return missing_flags(proto, ctx.ep, ctx.dtype)
+    return missing_flags(node, ctx.ep, ctx.dtype)
 
 
 def why(node: ir.Node, ctx: RewriteContext, flags: list[str]) -> str:
