@@ -28,7 +28,6 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
-import onnx
 import onnx_ir as ir
 
 KV_CACHES: tuple[str, ...] = ("int8",)
@@ -183,97 +182,99 @@ def quantize_kv_cache(model: ir.Model, max_seq_len: int) -> KVCacheSummary:
     return summary
 
 
-def _quantized(node: onnx.NodeProto) -> bool:
-    for a in node.attribute:
-        if a.name == "k_quant_type":
-            return onnx.helper.get_attribute_value(a).decode() != "NONE"
-    return False
+def _quantized(node: ir.Node) -> bool:
+    attr = node.attributes.get("k_quant_type")
+    return attr is not None and attr.value != "NONE"
 
 
-def has_int8_cache(model: onnx.ModelProto) -> bool:
-    return any(n.op_type == "GroupQueryAttention" and _quantized(n) for n in model.graph.node)
+def has_int8_cache(model: ir.Model) -> bool:
+    return any(n.op_type == "GroupQueryAttention" and _quantized(n) for n in model.graph)
 
 
-def float_cache_boundary(model: onnx.ModelProto) -> onnx.ModelProto:
+def float_cache_boundary(model: ir.Model) -> ir.Model:
     """Copy of ``model`` whose int8 past inputs and present outputs are in the compute dtype:
     each past is quantized with the layer's own scales (round to nearest, saturate) before the
     attention reads it, each present dequantized. Verification feeds it the unfused reference's
-    float past; the model itself is unchanged inside the boundary."""
+    float past; the model itself is unchanged inside the boundary (``model`` is returned as
+    is when it has no int8 cache; the copy shares its weights)."""
     if not has_int8_cache(model):
         return model
-    model = onnx.ModelProto.FromString(model.SerializeToString())
+    model = model.clone()
     graph = model.graph
-    inputs = {vi.name: vi for vi in graph.input}
-    outputs = {vi.name: vi for vi in graph.output}
-    int8 = onnx.TensorProto.INT8
-    f32 = onnx.TensorProto.FLOAT
-    front, back, consts = [], [], []
-    renames: dict[str, str] = {}
+    inputs, outputs = set(graph.inputs), set(graph.outputs)
+    qmin = _scalar_initializer(graph, "epfuse_kv_qmin", -128.0)
+    qmax = _scalar_initializer(graph, "epfuse_kv_qmax", 127.0)
+    f32, int8 = ir.DataType.FLOAT, ir.DataType.INT8
+    front: list[ir.Node] = []
+    back: list[tuple[ir.Value, ir.Value, ir.Value]] = []  # (int8 present, scale, float output)
+    retyped: list[ir.Value] = []
     float_type = None
-    for node in graph.node:
+    for node in list(graph):
         if node.op_type != "GroupQueryAttention" or not _quantized(node):
             continue
         float_type = float_type or _compute_type(graph, node)
         for past_i, present_i, scale_i in ((3, 1, 12), (4, 2, 13)):
-            past, present, scale = node.input[past_i], node.output[present_i], node.input[scale_i]
-            if past in inputs and inputs[past].type.tensor_type.elem_type == int8:
-                inner = past + "__epfuse_int8"
-                renames[past] = inner
-                f = past + "__epfuse_f32"
-                q = past + "__epfuse_q"
-                front += [
-                    onnx.helper.make_node("Cast", [past], [f], to=f32),
-                    onnx.helper.make_node("Div", [f, scale], [q + "_d"]),
-                    onnx.helper.make_node("Round", [q + "_d"], [q + "_r"]),
-                    onnx.helper.make_node(
-                        "Clip", [q + "_r", "epfuse_kv_qmin", "epfuse_kv_qmax"], [q]
-                    ),
-                    onnx.helper.make_node("Cast", [q], [inner], to=int8),
-                ]
-            if present in outputs and outputs[present].type.tensor_type.elem_type == int8:
-                inner = present + "__epfuse_int8"
-                renames[present] = inner
-                back += [
-                    onnx.helper.make_node("Cast", [inner], [present + "__epfuse_f"], to=f32),
-                    onnx.helper.make_node(
-                        "Mul", [present + "__epfuse_f", scale], [present + "__epfuse_m"]
-                    ),
-                    onnx.helper.make_node("Cast", [present + "__epfuse_m"], [present], to=0),
-                ]
-    if not renames:
+            past, present = node.inputs[past_i], node.outputs[present_i]
+            scale = node.inputs[scale_i]
+            if past in inputs and past.dtype == int8:
+                name = past.name
+                f = ir.node("Cast", [past], {"to": f32})
+                d = ir.node("Div", [f.outputs[0], scale])
+                r = ir.node("Round", [d.outputs[0]])
+                c = ir.node("Clip", [r.outputs[0], qmin, qmax])
+                q = ir.node("Cast", [c.outputs[0]], {"to": int8})
+                for step, suffix in ((f, "f32"), (d, "q_d"), (r, "q_r"), (c, "q"), (q, "int8")):
+                    step.outputs[0].name = f"{name}__epfuse_{suffix}"
+                q.outputs[0].dtype, q.outputs[0].shape = int8, past.shape
+                past.replace_all_uses_with(q.outputs[0])
+                f.replace_input_with(0, past)  # the quantizing Cast reads the float input
+                front += [f, d, r, c, q]
+                retyped.append(past)
+            if present in outputs and present.dtype == int8:
+                back.append((present, scale, ir.Value(shape=present.shape)))
+    if not front and not back:
         return model
     float_type = float_type or f32
-    for node in back:
-        if node.op_type == "Cast" and node.attribute[0].i == 0:
-            node.attribute[0].i = float_type
-    for node in graph.node:
-        node.input[:] = [renames.get(n, n) for n in node.input]
-        node.output[:] = [renames.get(n, n) for n in node.output]
-    for vi in graph.value_info:
-        vi.name = renames.get(vi.name, vi.name)
-    for vi in [*graph.input, *graph.output]:
-        if vi.name in renames:
-            vi.type.tensor_type.elem_type = float_type
-    consts = [
-        onnx.numpy_helper.from_array(np.array(-128.0, np.float32), "epfuse_kv_qmin"),
-        onnx.numpy_helper.from_array(np.array(127.0, np.float32), "epfuse_kv_qmax"),
-    ]
-    graph.initializer.extend(consts)
-    nodes = [*front, *graph.node, *back]
-    del graph.node[:]
-    graph.node.extend(nodes)
+    for past in retyped:
+        past.dtype = float_type
+    first = next(iter(graph), None)
+    if first is not None and front:
+        graph.insert_before(first, front)
+    for present, scale, out in back:
+        name = present.name
+        cast = ir.node("Cast", [present], {"to": f32})
+        cast.outputs[0].name = f"{name}__epfuse_f"
+        mul = ir.node("Mul", [cast.outputs[0], scale])
+        mul.outputs[0].name = f"{name}__epfuse_m"
+        to_float = ir.node("Cast", [mul.outputs[0]], {"to": float_type}, outputs=[out])
+        graph.extend([cast, mul, to_float])
+        present.name = f"{name}__epfuse_int8"
+        out.name, out.dtype = name, float_type
+        graph.outputs[graph.outputs.index(present)] = out
     return model
 
 
-def _compute_type(graph: onnx.GraphProto, node: onnx.NodeProto) -> int | None:
+def _scalar_initializer(graph: ir.Graph, name: str, value: float) -> ir.Value:
+    tensor = ir.tensor(np.array(value, np.float32), name=name)
+    init = ir.Value(name=name, const_value=tensor, type=ir.TensorType(ir.DataType.FLOAT))
+    init.shape = ir.Shape([])
+    graph.register_initializer(init)
+    return init
+
+
+def _compute_type(graph: ir.Graph, node: ir.Node) -> ir.DataType | None:
     """The attention's float type: its cos cache's, else that of a float weight matrix."""
-    inits = {t.name: t for t in graph.initializer}
-    if len(node.input) > 7 and node.input[7] in inits:
-        return inits[node.input[7]].data_type
-    floats = (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16)
-    for t in graph.initializer:
-        if t.data_type in floats and len(t.dims) == 2 and not t.name.startswith("epfuse_kv"):
-            return t.data_type
+    if len(node.inputs) > 7 and node.inputs[7] is not None and node.inputs[7].is_initializer():
+        return node.inputs[7].dtype
+    floats = (ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
+    for value in graph.initializers.values():
+        if (
+            value.dtype in floats
+            and value.shape is not None
+            and len(value.shape) == 2
+            and not (value.name or "").startswith("epfuse_kv")
+        ):
+            return value.dtype
     return None
 
 

@@ -19,6 +19,9 @@ Position limits are the rows of constant 2-D tables gathered by an index that de
 graph input (cos/sin caches, learned position embeddings) and of GroupQueryAttention's and
 RotaryEmbedding's cos/sin cache inputs (either of LongRoPE's two, when a scalar ``Where``
 picks one per call).
+
+It reads onnx_ir models (a ``ModelProto`` is deserialized once); the mask proof canonicalizes
+a clone, which shares the weights.
 """
 
 from __future__ import annotations
@@ -83,7 +86,9 @@ class Limits:
         return out
 
 
-def read_limits(original: onnx.ModelProto, optimized: onnx.ModelProto | None = None) -> Limits:
+def read_limits(
+    original: ir.Model | onnx.ModelProto, optimized: ir.Model | onnx.ModelProto | None = None
+) -> Limits:
     """The windows, thresholds and position limit of both graphs, merged."""
     limits = _read_one(original, "original")
     if optimized is not None:
@@ -141,31 +146,32 @@ def check_length(limits: Limits, total: int, what: str) -> str | None:
 # ----------------------------------------------------------------------------------- reading
 
 
-def _read_one(proto: onnx.ModelProto, label: str) -> Limits:
+def _read_one(model: ir.Model | onnx.ModelProto, label: str) -> Limits:
     try:
-        return _read(proto, label)
+        return _read(model, label)
     except Exception as err:  # reading lengths must never stop a comparison
         return Limits(notes=[f"{label}: lengths not read ({type(err).__name__}: {err})"])
 
 
-def _read(proto: onnx.ModelProto, label: str) -> Limits:
+def _read(model: ir.Model | onnx.ModelProto, label: str) -> Limits:
     limits = Limits()
-    try:
-        model = ir.serde.deserialize_model(proto)
-    except Exception as err:  # verify reports the model's real problem when it runs it
-        limits.notes.append(f"{label}: graph not read ({type(err).__name__})")
-        return limits
+    if isinstance(model, onnx.ModelProto):
+        try:
+            model = ir.serde.deserialize_model(model)
+        except Exception as err:  # verify reports the model's real problem when it runs it
+            limits.notes.append(f"{label}: graph not read ({type(err).__name__})")
+            return limits
     try:
         from .roles import discover_io
 
-        tokens = frozenset({discover_io(proto).input_ids})
+        tokens = frozenset({discover_io(model).input_ids})
     except ValueError:
         tokens = frozenset()
     _scan(model.graph, label, limits, positions=True, tokens=tokens)
     if any(n.op_type == "Attention" and n.domain == "" for n in model.graph.all_nodes()) or (
         not any(n.op_type == "GroupQueryAttention" for n in model.graph.all_nodes())
     ):
-        _windows_from_masks(proto, label, limits)
+        _windows_from_masks(model, label, limits)
     return limits
 
 
@@ -259,7 +265,7 @@ def _input_sources(value: ir.Value | None, budget: int = 64) -> set[str]:
     return found
 
 
-def _windows_from_masks(proto: onnx.ModelProto, label: str, limits: Limits) -> None:
+def _windows_from_masks(model: ir.Model, label: str, limits: Limits) -> None:
     """Windows of the ONNX Attention masks, proven by evaluation on a canonicalized copy."""
     from epfuse.capabilities import get_ep
     from epfuse.optimizer.api import model_dtype
@@ -269,7 +275,7 @@ def _windows_from_masks(proto: onnx.ModelProto, label: str, limits: Limits) -> N
 
     max_len = min(limits.max_positions or 4096, 1 << 16)
     try:
-        work = ir.serde.deserialize_model(proto)
+        work = model.clone()  # shares the weights; the canonicalization edits the copy
         ir.external_data.load_to_model(work)
         canonical = tuple(r for r in RULES if r.stage is Stage.CANONICALIZE)
         options = OptimizeOptions(max_seq_len=max_len)

@@ -2,8 +2,9 @@
 presents, logits), so that two graphs from different builders can be fed the same inputs.
 
 The roles are :class:`~epfuse.patterns.analysis.signature.DecoderSignature`'s (the one
-implementation); this module converts the protobuf once, and refuses what verify cannot feed
-(unrecognised inputs, dynamic KV sizes, unequal past/present counts)."""
+implementation, on onnx_ir: verify's runner hands it the model it converted once; a
+``ModelProto`` given directly is converted here), and this module refuses what verify cannot
+feed (unrecognised inputs, dynamic KV sizes, unequal past/present counts)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,11 @@
-"""Run both models on ORT CPU over the scenarios and collect the comparisons."""
+"""Run both models on ORT CPU over the scenarios and collect the comparisons.
+
+Verify reads models in onnx_ir, whatever it is given (a path, an ``onnx.ModelProto`` or an
+``onnx_ir.Model``): the roles (``DecoderSignature``), the lengths (``limits``) and the
+boundaries a session needs (the int8 KV cache's float boundary, bf16's float32 boundary) all
+read the one converted model. ORT sessions take protobuf bytes, so each session's model is
+serialized once, in :func:`_session_bytes`: the only place verify leaves onnx_ir.
+"""
 
 from __future__ import annotations
 
@@ -43,16 +50,24 @@ class LengthError(ValueError):
     """A scenario needs more positions than the models can take (cos/sin cache rows...)."""
 
 
-def _to_proto(model: ModelLike) -> onnx.ModelProto:
+def _to_ir(model: ModelLike) -> ir.Model:
+    """The one conversion in: everything verify reads (roles, limits, boundaries) is onnx_ir."""
     if isinstance(model, onnx.ModelProto):
-        return model
-    if isinstance(model, (str, os.PathLike)):
-        return onnx.load(str(model))
-    if isinstance(model, ir.Model):
-        # ORT gets the model as bytes, so external weights are read into memory (in place).
-        ir.external_data.load_to_model(model)
-        return ir.serde.serialize_model(model)
-    raise TypeError(f"expected a path, onnx.ModelProto or onnx_ir.Model, got {type(model)}")
+        converted = ir.serde.deserialize_model(model)
+    elif isinstance(model, (str, os.PathLike)):
+        converted = ir.load(str(model))
+    elif isinstance(model, ir.Model):
+        converted = model
+    else:
+        raise TypeError(f"expected a path, onnx.ModelProto or onnx_ir.Model, got {type(model)}")
+    # ORT gets the model as bytes, so external weights are read into memory (in place).
+    ir.external_data.load_to_model(converted)
+    return converted
+
+
+def _session_bytes(model: ir.Model) -> bytes:
+    """The one conversion out: ORT takes a serialized protobuf."""
+    return ir.serde.serialize_model(model).SerializeToString()
 
 
 class _Runner:
@@ -69,25 +84,23 @@ class _Runner:
 
         # An int8 KV cache is fed and read in the compute dtype (quantized with the model's
         # own scales at the boundary), so both models take the same past.
-        source = _to_proto(model)
-        proto = float_cache_boundary(source)
-        self.int8_cache = proto is not source
-        converted = ir.from_proto(proto)  # once: the roles and the boundary read it
-        self.io = discover_io(converted)
+        source = _to_ir(model)
+        run = float_cache_boundary(source)  # a copy when it changes anything
+        self.int8_cache = run is not source
+        self.io = discover_io(run)
         self.position_streams = position_streams or text_positions
-        boundary = [*converted.graph.inputs, *converted.graph.outputs]
+        boundary = [*run.graph.inputs, *run.graph.outputs]
         if any(v.dtype == ir.DataType.BFLOAT16 for v in boundary):
             # numpy has no bfloat16: feed and read float32, cast at the boundary (exact).
-            float32_boundary(converted.graph)
-            proto = ir.to_proto(converted)
-        self.proto = proto
+            run = run if self.int8_cache else run.clone()
+            float32_boundary(run.graph)
         if session_options is None:
             # FATAL only: a failing kernel's error comes back as the exception, which the
             # result reports in one line; ORT's own (colored, multi-line) log would repeat it.
             session_options = ort.SessionOptions()
             session_options.log_severity_level = 4
         self.session = ort.InferenceSession(
-            proto.SerializeToString(), sess_options=session_options, providers=list(providers)
+            _session_bytes(run), sess_options=session_options, providers=list(providers)
         )
         self.run_options = ort.RunOptions()
         self.run_options.log_severity_level = 4
@@ -262,26 +275,26 @@ class Comparator:
     ):
         """``limits``: lengths already read for this original (and a candidate whose windows
         include this one's); ``reference``: the original's runner, already loaded."""
-        ref_proto, opt_proto = _to_proto(original), None
+        ref_model, opt_model = _to_ir(original), None
         with contextlib.suppress(Exception):  # reported as a model that does not load
-            opt_proto = _to_proto(optimized)
-        self._original = ref_proto
+            opt_model = _to_ir(optimized)
+        self._original = ref_model
         self._options = (tolerance, tuple(providers), session_options, position_streams)
-        self.limits = limits if limits is not None else read_limits(ref_proto, opt_proto)
+        self.limits = limits if limits is not None else read_limits(ref_model, opt_model)
         self.gqa = any(
             n.op_type == "GroupQueryAttention"
-            for proto in (ref_proto, opt_proto)
-            if proto is not None
-            for n in proto.graph.node
+            for model in (ref_model, opt_model)
+            if model is not None
+            for n in model.graph
         )
         """Either graph has GroupQueryAttention (ORT CPU's takes chunked prefill at batch 1)."""
-        self.ref = reference or _Runner(ref_proto, providers, session_options, position_streams)
+        self.ref = reference or _Runner(ref_model, providers, session_options, position_streams)
         self.load_error: str | None = None
         self.opt: _Runner | None = None
         self.tolerance = tolerance or tolerance_for(self.ref.io.dtype)
         try:
             self.opt = _Runner(
-                opt_proto if opt_proto is not None else optimized,
+                opt_model if opt_model is not None else optimized,
                 providers,
                 session_options,
                 position_streams,
