@@ -2,16 +2,20 @@
 numpy reference at the dtype's tolerance (``epfuse.tolerances``).
 
 Non-CPU EPs run with ``session.disable_cpu_ep_fallback``, so a silent fallback shows up as a
-failure. :data:`KNOWN_ANSWERS` is keyed by ``emissions.Capability``.
+failure. :data:`KNOWN_ANSWERS` is keyed by ``emissions.Capability``. The models are built in
+onnx_ir (:func:`_node` names the values, :func:`_run` wires them) and serialized once, for
+the session.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
+import onnx_ir as ir
 import onnxruntime as ort
-from onnx import helper
 
 from epfuse.tolerances import tolerance_for
 
@@ -21,27 +25,69 @@ _B, _S, _N, _KV, _H, _M = 1, 5, 2, 1, 16, 16
 _NP = {"float32": np.float32, "float16": np.float16}
 
 
+@dataclasses.dataclass(frozen=True)
+class _Op:
+    """One node by value names ("" for an absent input or output), wired by :func:`_run`."""
+
+    op_type: str
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    domain: str
+    attributes: dict[str, Any]
+
+
+def _node(op_type: str, inputs: list[str], outputs: list[str], domain: str = "", **attrs) -> _Op:
+    return _Op(op_type, tuple(inputs), tuple(outputs), domain, attrs)
+
+
 def _run(
-    nodes, inputs: dict[str, np.ndarray], outputs: list[str], provider: str, opset: int = 23
+    nodes: list[_Op],
+    inputs: dict[str, np.ndarray],
+    outputs: list[str],
+    provider: str,
+    opset: int = 23,
 ) -> list[np.ndarray]:
-    vis = [
-        helper.make_tensor_value_info(k, helper.np_dtype_to_tensor_dtype(v.dtype), v.shape)
-        for k, v in inputs.items()
-    ]
+    values = {
+        name: ir.Value(
+            name=name,
+            type=ir.TensorType(ir.DataType.from_numpy(array.dtype)),
+            shape=ir.Shape(array.shape),
+        )
+        for name, array in inputs.items()
+    }
+    graph_inputs = list(values.values())
+    built = []
+    for spec in nodes:
+        node = ir.node(
+            spec.op_type,
+            [values[name] if name else None for name in spec.inputs],
+            attributes=spec.attributes,
+            domain=spec.domain,
+            num_outputs=len(spec.outputs),
+        )
+        for value, name in zip(node.outputs, spec.outputs, strict=True):
+            value.name = name  # "" stays absent in the serialized node
+            if name:
+                values[name] = value
+        built.append(node)
     floats = [v for v in inputs.values() if v.dtype.kind == "f"]
-    elem = helper.np_dtype_to_tensor_dtype(floats[0].dtype)
-    outs = [helper.make_tensor_value_info(name, elem, None) for name in outputs]
-    graph = helper.make_graph(nodes, "probe", vis, outs)
-    model = helper.make_model(
-        graph,
-        opset_imports=[helper.make_opsetid("", opset), helper.make_opsetid("com.microsoft", 1)],
-        ir_version=10,
+    elem = ir.DataType.from_numpy(floats[0].dtype)
+    for name in outputs:
+        if values[name].type is None:
+            values[name].type = ir.TensorType(elem)
+    graph = ir.Graph(
+        graph_inputs,
+        [values[name] for name in outputs],
+        nodes=built,
+        opset_imports={"": opset, "com.microsoft": 1},
+        name="probe",
     )
     options = ort.SessionOptions()
     options.log_severity_level = 4
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     if provider != "CPUExecutionProvider":
         options.add_session_config_entry("session.disable_cpu_ep_fallback", "1")
+    model = ir.serde.serialize_model(ir.Model(graph, ir_version=10))
     session = ort.InferenceSession(model.SerializeToString(), options, providers=[provider])
     return session.run(outputs, inputs)
 
@@ -155,7 +201,7 @@ def _gqa_case(
         attrs["softcap"] = softcap
     if window is not None:
         attrs["local_window_size"] = window
-    node = helper.make_node("GroupQueryAttention", names, ["y"], domain="com.microsoft", **attrs)
+    node = _node("GroupQueryAttention", names, ["y"], domain="com.microsoft", **attrs)
     (got,) = _run([node], feeds, ["y"], provider)
     return got, _bsd(_attend(q64, k64, v64, softcap, window, sinks))
 
@@ -186,11 +232,9 @@ def _gqa_int8_cache_case(dtype, provider, past=3, new=2):
     names += [""] * 5 + ["k_scale", "v_scale"]
     attrs = {"num_heads": _N, "kv_num_heads": _KV, "kv_cache_bit_width": 8}
     attrs.update(k_quant_type="PER_CHANNEL", v_quant_type="PER_CHANNEL")
-    node = helper.make_node(
-        "GroupQueryAttention", names, ["y", "pk", "pv"], domain="com.microsoft", **attrs
-    )
-    to = helper.np_dtype_to_tensor_dtype(np.dtype(t))
-    casts = [helper.make_node("Cast", [n], [n + "_f"], to=to) for n in ("pk", "pv")]
+    node = _node("GroupQueryAttention", names, ["y", "pk", "pv"], domain="com.microsoft", **attrs)
+    to = ir.DataType.from_numpy(np.dtype(t))
+    casts = [_node("Cast", [n], [n + "_f"], to=to) for n in ("pk", "pv")]
     y, pk, pv = _run([node, *casts], feeds, ["y", "pk_f", "pv_f"], provider)
     kd, vd = (i * s.astype(np.float64) for i, s in zip(ints, scales, strict=True))
     rep = _N // _KV
@@ -212,7 +256,7 @@ def _attention_case(dtype, provider, softcap=0.0):
     attrs = {"is_causal": 1}
     if softcap:
         attrs["softcap"] = softcap
-    node = helper.make_node("Attention", ["q", "k", "v"], ["y"], **attrs)
+    node = _node("Attention", ["q", "k", "v"], ["y"], **attrs)
     (got,) = _run([node], {"q": q, "k": k, "v": v}, ["y"], provider)
     ref = _attend(*(a.astype(np.float64) for a in (q, k, v)), softcap)
     return got, ref
@@ -229,11 +273,11 @@ def _rope_case(dtype, provider, contrib: bool):
     feeds = {"x": _bsd(x), "cos": np.cos(ang).astype(t), "sin": np.sin(ang).astype(t), "pos": pos}
     attrs = {"interleaved": 1, "num_heads": _N, "rotary_embedding_dim": rotary}
     if contrib:
-        node = helper.make_node(
+        node = _node(
             "RotaryEmbedding", ["x", "pos", "cos", "sin"], ["y"], domain="com.microsoft", **attrs
         )
     else:
-        node = helper.make_node("RotaryEmbedding", ["x", "cos", "sin", "pos"], ["y"], **attrs)
+        node = _node("RotaryEmbedding", ["x", "cos", "sin", "pos"], ["y"], **attrs)
     (got,) = _run([node], feeds, ["y"], provider)
     ref = np.stack(
         [rotate(x[b : b + 1].astype(np.float64), pos[b], True, rotary)[0] for b in range(_B)]
@@ -251,18 +295,18 @@ def _norm_case(dtype, provider, op: str):
     eps = 1e-5
     x64, s64, w64, b64 = (a.astype(np.float64) for a in (x, skip, w, beta))
     if op in ("RMSNormalization", "SimplifiedLayerNormalization"):
-        node = helper.make_node(op, ["x", "w"], ["y"], axis=-1, epsilon=eps, stash_type=1)
+        node = _node(op, ["x", "w"], ["y"], axis=-1, epsilon=eps, stash_type=1)
         (got,) = _run([node], {"x": x, "w": w}, ["y"], provider)
         return got, _rms(x64, w64, eps)
     total = x64 + s64
     if op == "SkipSimplifiedLayerNormalization":
-        node = helper.make_node(
+        node = _node(
             op, ["x", "skip", "w"], ["y", "", "", "sum"], domain="com.microsoft", epsilon=eps
         )
         y, summed = _run([node], {"x": x, "skip": skip, "w": w}, ["y", "sum"], provider)
         ref = _rms(total, w64, eps)
     else:
-        node = helper.make_node(
+        node = _node(
             op,
             ["x", "skip", "w", "beta"],
             ["y", "", "", "sum"],
@@ -289,7 +333,7 @@ def _moe_case(dtype, provider):
     b1 = (0.3 * rng.standard_normal((experts, 2 * inter))).astype(t)
     fc2 = (rng.standard_normal((experts, hidden, inter)) / 3).astype(t)
     b2 = (0.3 * rng.standard_normal((experts, hidden))).astype(t)
-    node = helper.make_node(
+    node = _node(
         "MoE",
         ["x", "r", "fc1", "b1", "fc2", "b2"],
         ["y"],
