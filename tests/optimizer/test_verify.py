@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
+import onnx_ir as ir
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
@@ -203,6 +204,16 @@ def test_bfloat16_outputs_are_compared_in_float32():
     assert result.dtype == "bfloat16"
     assert result.tolerance == TOLERANCES["bfloat16"]
     assert result.passed, str(result)
+
+
+def test_an_onnx_ir_model_is_compared_without_being_changed():
+    # verify reads the onnx_ir model it is given; the float32 boundary goes on a copy.
+    model = ir.serde.deserialize_model(_no_cache_model(elem_type=TensorProto.BFLOAT16))
+    nodes = len(model.graph)
+    result = compare_models(model, model)
+    assert result.passed, str(result)
+    assert [v.dtype for v in model.graph.outputs] == [ir.DataType.BFLOAT16]
+    assert len(model.graph) == nodes
 
 
 def test_unknown_scenario_rejected():
