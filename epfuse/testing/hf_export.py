@@ -11,6 +11,14 @@ The exported graph has the interface of a generic ``torch.onnx`` (dynamo) export
 
 with dynamic ``batch``, ``seq``, ``past`` and ``total`` dimensions.
 
+Hybrid stacks (Qwen3-Next / Qwen3.5 gated delta-net, LFM2 short-conv, Granite-MoE-hybrid Mamba
+layers between attention layers) keep a fixed-size state per non-attention layer instead of a
+KV cache: such a layer ``l`` has ``past_key_values.{l}.conv`` (B, channels, kernel) and, where it
+keeps one, ``past_key_values.{l}.recurrent`` (B, heads, ...) inputs and ``present.{l}.conv`` /
+``present.{l}.recurrent`` outputs of the same shapes (only the batch is dynamic), in layer order
+among the attention layers' key/value. Zeros are a first prompt's state, exactly (a causal conv
+over zero padding, a scan from a zero state).
+
 :func:`export_hf_mrope_decoder` exports the text decoder (+ LM head) of a vision-language model
 with 3-D mRoPE (Qwen2-VL, Qwen2.5-VL, Qwen3-VL): the same interface except ``position_ids``,
 which is (3, B, S) (temporal, height, width streams).
@@ -20,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import inspect
 import io
 import logging
@@ -63,6 +72,97 @@ def _kv_dims(config) -> tuple[int, int, int]:
     num_kv = int(getattr(text, "num_key_value_heads", None) or num_heads)
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // num_heads
     return num_layers, num_kv, int(head_dim)
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheSlot:
+    """One flat past input / present output of the export: a layer's key or value (``shape``
+    None: (B, Nkv, P, H)) or a non-attention layer's fixed-size conv or recurrent state
+    (``shape``: its dims after the batch)."""
+
+    layer: int
+    kind: str  # "key", "value", "conv" or "recurrent"
+    shape: tuple[int, ...] | None = None
+
+    @property
+    def past_name(self) -> str:
+        return f"past_key_values.{self.layer}.{self.kind}"
+
+    @property
+    def present_name(self) -> str:
+        return f"present.{self.layer}.{self.kind}"
+
+
+def cache_slots(config, model=None) -> list[CacheSlot]:
+    """The flat cache of ``config``'s decoder, in export order.
+
+    A plain decoder has a key and a value per layer. A hybrid stack is read the way Hugging
+    Face's generation builds its cache, ``DynamicCache(config=config)`` (transformers 5.x): a
+    layer whose cache layer keeps conv/recurrent state (``LinearAttentionCacheLayerMixin``)
+    contributes those states, sized by one eager forward of ``model`` (built from ``config``
+    when not given) on a short prompt, since their shapes are the model's business (conv
+    channels and kernel, recurrent heads and state size).
+    """
+    import torch
+
+    num_layers = _kv_dims(config)[0]
+    layer_kinds = _linear_layers(config)
+    if not layer_kinds:
+        return [CacheSlot(layer, kind) for layer in range(num_layers) for kind in ("key", "value")]
+    from transformers import DynamicCache
+
+    if model is None:
+        model = _build_model(config, 0, None)[0]
+    cache = DynamicCache(config=_text_config(config))
+    ids = torch.zeros((1, 2), dtype=torch.int64)
+    with torch.no_grad():
+        model(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            use_cache=True,
+            **{_cache_kw(model): cache},
+        )
+    slots = []
+    for layer in range(num_layers):
+        if layer not in layer_kinds:
+            slots += [CacheSlot(layer, "key"), CacheSlot(layer, "value")]
+            continue
+        entry = cache.layers[layer]
+        if entry.number_of_states != 1:
+            raise NotImplementedError(f"layer {layer} keeps {entry.number_of_states} states")
+        for kind, states in (("conv", entry.conv_states), ("recurrent", entry.recurrent_states)):
+            if states[0] is not None:
+                slots.append(CacheSlot(layer, kind, tuple(states[0].shape[1:])))
+    return slots
+
+
+def _linear_layers(config) -> set[int]:
+    """The layers whose Hugging Face cache layer keeps conv/recurrent state (no KV)."""
+    try:
+        from transformers import cache_utils
+    except ImportError:  # pragma: no cover - transformers is the caller's
+        return set()
+    mixin = getattr(cache_utils, "LinearAttentionCacheLayerMixin", None)
+    types = getattr(_text_config(config), "layer_types", None)
+    if mixin is None or not types:
+        return set()
+    mapping = cache_utils.DYNAMIC_LAYER_TYPE_MAPPING
+    out = set()
+    for layer, kind in enumerate(types):
+        cls = mapping.get(kind)
+        if cls is None:
+            continue
+        if issubclass(cls, mixin):
+            if issubclass(cls, cache_utils.DynamicLayer):
+                raise NotImplementedError(f"layer {layer}: {kind!r} keeps both KV and state")
+            out.add(layer)
+    return out
+
+
+def _cache_kw(model) -> str:
+    # transformers >= 5.x renamed ``past_key_values`` to ``cache`` (argument and output field).
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
 
 
 def tiny_qwen2_5_vl_config(**text_overrides: Any):
@@ -157,18 +257,21 @@ def _torch_dtype(dtype: str):
         raise ValueError(f"dtype must be float32, float16 or bfloat16, got {dtype!r}") from None
 
 
-def _make_wrapper(model, num_layers: int, text_only: bool = False):
-    """``text_only``: a vision-language model's text decoder and LM head, nothing visual."""
+def _make_wrapper(model, slots: Sequence[CacheSlot], text_only: bool = False, config=None):
+    """``text_only``: a vision-language model's text decoder and LM head, nothing visual.
+
+    ``slots`` is the flat cache (:func:`cache_slots`); a hybrid stack's cache is
+    ``DynamicCache(config=config)``, its conv/recurrent layers pre-filled from the inputs.
+    """
     import torch
     from transformers import DynamicCache
 
     lm_head = model.lm_head if text_only else None
     if text_only:
         model = model.model.language_model
-    # transformers >= 5.x renamed ``past_key_values`` to ``cache`` (argument and output field).
-    cache_kw = (
-        "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-    )
+    cache_kw = _cache_kw(model)
+    hybrid = any(slot.shape is not None for slot in slots)
+    text_config = _text_config(config) if hybrid else None
 
     class _Wrapper(torch.nn.Module):
         """Flat past tensors in, flat present tensors out."""
@@ -178,13 +281,17 @@ def _make_wrapper(model, num_layers: int, text_only: bool = False):
             self.model = model
 
         def forward(self, input_ids, attention_mask, position_ids, *past):
-            # A plain (full) cache on every layer, as a generic export has: with
-            # DynamicCache(config=config), sliding-window layers crop their cache and the
-            # export specialises on the example lengths (Mistral with a window < past + seq
-            # then fails at run time). Sliding-window masking is still applied from the config.
-            cache = DynamicCache()
-            for layer in range(num_layers):
-                cache.update(past[2 * layer], past[2 * layer + 1], layer)
+            if hybrid:
+                cache = _hybrid_cache(text_config, slots, past)
+            else:
+                # A plain (full) cache on every layer, as a generic export has: with
+                # DynamicCache(config=config), sliding-window layers crop their cache and the
+                # export specialises on the example lengths (Mistral with a window < past +
+                # seq then fails at run time). Sliding-window masking is still applied from
+                # the config.
+                cache = DynamicCache()
+                for layer in range(len(slots) // 2):
+                    cache.update(past[2 * layer], past[2 * layer + 1], layer)
             out = self.model(
                 input_ids=input_ids,
                 attention_mask=attention_mask,
@@ -193,15 +300,48 @@ def _make_wrapper(model, num_layers: int, text_only: bool = False):
                 **{cache_kw: cache},
             )
             pkv = getattr(out, cache_kw)
-            presents = [
-                t
-                for layer in range(num_layers)
-                for t in (pkv.layers[layer].keys, pkv.layers[layer].values)
-            ]
+            presents = [_present(pkv.layers[slot.layer], slot.kind) for slot in slots]
             logits = lm_head(out.last_hidden_state) if text_only else out.logits
             return (logits, *presents)
 
     return _Wrapper().eval()
+
+
+def _hybrid_cache(text_config, slots: Sequence[CacheSlot], past: Sequence[Any]):
+    """``DynamicCache(config=...)`` holding ``past``: key/value through ``update``, conv and
+    recurrent states as a layer that has seen a previous step (so the model continues from them,
+    on the same code path for every length; zeros are an exact first prompt)."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=text_config)
+    by_layer: dict[int, dict[str, Any]] = {}
+    for slot, tensor in zip(slots, past, strict=True):
+        by_layer.setdefault(slot.layer, {})[slot.kind] = tensor
+    for layer, tensors in by_layer.items():
+        if "key" in tensors:
+            cache.update(tensors["key"], tensors["value"], layer)
+            continue
+        entry = cache.layers[layer]
+        ref = tensors.get("conv", tensors.get("recurrent"))
+        entry.dtype, entry.device = ref.dtype, ref.device
+        if "conv" in tensors:
+            # clone: the cache copies the new state into it in place.
+            entry.conv_states[0] = tensors["conv"].clone()
+            entry.conv_kernel_size[0] = int(tensors["conv"].shape[-1])
+            entry.is_conv_states_initialized[0] = True
+        if "recurrent" in tensors:
+            entry.recurrent_states[0] = tensors["recurrent"].clone()
+            entry.is_recurrent_states_initialized[0] = True
+        entry.has_previous_state[0] = True
+    return cache
+
+
+def _present(layer, kind: str):
+    if kind == "key":
+        return layer.keys
+    if kind == "value":
+        return layer.values
+    return (layer.conv_states if kind == "conv" else layer.recurrent_states)[0]
 
 
 def past_input_names(num_layers: int) -> list[str]:
@@ -262,8 +402,9 @@ def export_hf_decoder(
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     model, config = _build_model(config, seed, initializer_range, dtype)
-    wrapper = _make_wrapper(model, _kv_dims(config)[0])
-    return _export(wrapper, path, config, seed, opset, dtype, mrope=False, dynamo=dynamo)
+    slots = cache_slots(config, model)
+    wrapper = _make_wrapper(model, slots, config=config)
+    return _export(wrapper, path, config, seed, opset, dtype, slots, mrope=False, dynamo=dynamo)
 
 
 def _export(
@@ -273,6 +414,7 @@ def _export(
     seed: int,
     opset: int,
     dtype: str,
+    slots: Sequence[CacheSlot],
     *,
     mrope: bool,
     dynamo: bool = True,
@@ -281,7 +423,7 @@ def _export(
     TorchScript exporter when ``dynamo`` is false)."""
     import torch
 
-    num_layers, num_kv, head_dim = _kv_dims(config)
+    _, num_kv, head_dim = _kv_dims(config)
     b, s, p = _EXAMPLE_BATCH, _EXAMPLE_SEQ, _EXAMPLE_PAST
     vocab = int(_text_config(config).vocab_size)
     gen = torch.Generator().manual_seed(seed)
@@ -297,27 +439,33 @@ def _export(
         position_ids = torch.arange(p, p + s, dtype=torch.int64).unsqueeze(0).expand(b, s)
         position_ids = position_ids.contiguous()
         position_dims = {0: bd, 1: sd}
+    # A state is only batch-dynamic; random values, so nothing specialises on zeros.
     past = tuple(
-        torch.randn((b, num_kv, p, head_dim), generator=gen).to(_torch_dtype(dtype))
-        for _ in range(2 * num_layers)
+        torch.randn(
+            (b, num_kv, p, head_dim) if slot.shape is None else (b, *slot.shape), generator=gen
+        ).to(_torch_dtype(dtype))
+        for slot in slots
     )
     dynamic_shapes = (
         {0: bd, 1: sd},
         {0: bd, 1: td},
         position_dims,
-        tuple({0: bd, 2: pd} for _ in range(2 * num_layers)),
+        tuple({0: bd, 2: pd} if slot.shape is None else {0: bd} for slot in slots),
     )
-    input_names = ["input_ids", "attention_mask", "position_ids", *past_input_names(num_layers)]
-    output_names = ["logits", *present_output_names(num_layers)]
+    input_names = ["input_ids", "attention_mask", "position_ids"]
+    input_names += [slot.past_name for slot in slots]
+    output_names = ["logits", *(slot.present_name for slot in slots)]
     if not dynamo:
         # The TorchScript exporter takes named axes per input and output instead of Dims.
         axes = {
             name: {axis: dim.__name__ for axis, dim in dims.items()}
             for name, dims in zip(input_names[:3], dynamic_shapes[:3], strict=True)
         }
-        axes.update({name: {0: "batch", 2: "past"} for name in input_names[3:]})
+        for slot in slots:
+            kv = slot.shape is None
+            axes[slot.past_name] = {0: "batch", 2: "past"} if kv else {0: "batch"}
+            axes[slot.present_name] = {0: "batch", 2: "total"} if kv else {0: "batch"}
         axes["logits"] = {0: "batch", 1: "seq"}
-        axes.update({name: {0: "batch", 2: "total"} for name in output_names[1:]})
         with _quiet(), torch.no_grad():
             torch.onnx.export(
                 wrapper,
@@ -359,7 +507,8 @@ def hf_reference(
     """Run the same seeded torch model that :func:`export_hf_decoder` exports.
 
     ``past`` is the flat list ``[k0, v0, k1, v1, ...]`` of (B, Nkv, P, H) arrays (empty or
-    None for a prompt). ``position_ids`` defaults to the mask's cumulative sum minus one.
+    None for a prompt; a hybrid stack's in :func:`cache_slots` order, zero states for a
+    prompt). ``position_ids`` defaults to the mask's cumulative sum minus one.
     Returns ``(logits, presents)`` as float32 numpy arrays (computed in ``dtype``), presents
     flat in the same order as the exported graph's outputs.
     """
@@ -367,8 +516,9 @@ def hf_reference(
 
     tdtype = _torch_dtype(dtype)
     model, config = _build_model(config, seed, initializer_range, dtype)
-    num_layers, num_kv, head_dim = _kv_dims(config)
-    wrapper = _make_wrapper(model, num_layers)
+    _, num_kv, head_dim = _kv_dims(config)
+    slots = cache_slots(config, model)
+    wrapper = _make_wrapper(model, slots, config=config)
 
     ids = torch.from_numpy(np.asarray(input_ids, dtype=np.int64))
     mask = torch.from_numpy(np.asarray(attention_mask, dtype=np.int64))
@@ -379,8 +529,13 @@ def hf_reference(
     if past:
         past_t = [torch.from_numpy(np.asarray(t, dtype=np.float32)).to(tdtype) for t in past]
     else:
-        empty = (ids.shape[0], num_kv, 0, head_dim)
-        past_t = [torch.zeros(empty, dtype=tdtype) for _ in range(2 * num_layers)]
+        past_t = [
+            torch.zeros(
+                (ids.shape[0], *((num_kv, 0, head_dim) if slot.shape is None else slot.shape)),
+                dtype=tdtype,
+            )
+            for slot in slots
+        ]
     with torch.no_grad():
         out = wrapper(ids, mask, pos, *past_t)
     return out[0].float().numpy(), [t.float().numpy() for t in out[1:]]
@@ -406,8 +561,9 @@ def export_hf_mrope_decoder(
     model, config = _build_model(
         config, seed, initializer_range, dtype, auto_class="AutoModelForImageTextToText"
     )
-    wrapper = _make_wrapper(model, _kv_dims(config)[0], text_only=True)
-    return _export(wrapper, path, config, seed, opset, dtype, mrope=True)
+    slots = cache_slots(config)
+    wrapper = _make_wrapper(model, slots, text_only=True)
+    return _export(wrapper, path, config, seed, opset, dtype, slots, mrope=True)
 
 
 def hf_mrope_reference(
@@ -429,7 +585,7 @@ def hf_mrope_reference(
         config, seed, initializer_range, dtype, auto_class="AutoModelForImageTextToText"
     )
     num_layers, num_kv, head_dim = _kv_dims(config)
-    wrapper = _make_wrapper(model, num_layers, text_only=True)
+    wrapper = _make_wrapper(model, cache_slots(config), text_only=True)
     ids = torch.from_numpy(np.asarray(input_ids, dtype=np.int64))
     mask = torch.from_numpy(np.asarray(attention_mask, dtype=np.int64))
     pos = torch.from_numpy(np.asarray(position_ids, dtype=np.int64))

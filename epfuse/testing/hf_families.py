@@ -428,3 +428,110 @@ LONGROPE_FAMILIES: dict[str, Family] = {
 }
 """LongRoPE families (tests/families/test_longrope.py): Hugging Face picks the long or short
 factors per call (max(position_ids) + 1 > original_max_position_embeddings)."""
+
+# --- Hybrid stacks: attention layers between layers that keep a fixed-size state (one block). ---
+
+
+def _qwen3_next():
+    from transformers import Qwen3NextConfig
+
+    # One gated delta-net layer, one gated full-attention layer; dense MLPs (mlp_only_layers)
+    # so the experts do not stand in the way of what is tested here. head_dim 64 with the real
+    # partial rotary factor 0.25: 16 rotated channels (cos width 8, as StableLM).
+    return Qwen3NextConfig(
+        **tiny_dims(head_dim=64),
+        layer_types=["linear_attention", "full_attention"],
+        linear_conv_kernel_dim=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        mlp_only_layers=[0, 1],
+        **rope_kwargs(partial_rotary_factor=0.25),
+    )
+
+
+def _qwen3_next_attention():
+    # Qwen3-Next with only its gated full-attention layers: the delta-net layers cannot be
+    # exported (tests/families/test_hybrid.py), the attention with its output gate
+    # sigmoid(gate) * attn and per-head q/k norms can.
+    config = _qwen3_next()
+    config.layer_types = ["full_attention", "full_attention"]
+    return config
+
+
+def _qwen3_5():
+    from transformers import Qwen3_5TextConfig
+
+    return Qwen3_5TextConfig(
+        **tiny_dims(head_dim=64),
+        layer_types=["linear_attention", "full_attention"],
+        linear_conv_kernel_dim=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        **rope_kwargs(partial_rotary_factor=0.25),
+    )
+
+
+def _lfm2():
+    from transformers import Lfm2Config
+
+    # conv, attention, conv: the last conv state is computed from the attention's output.
+    return Lfm2Config(
+        **tiny_dims(num_hidden_layers=3),
+        layer_types=["conv", "full_attention", "conv"],
+        conv_L_cache=3,
+        block_auto_adjust_ff_dim=False,
+        **rope_kwargs(),
+    )
+
+
+def _granite_moe_hybrid():
+    from transformers import GraniteMoeHybridConfig
+
+    # Granite-4.0-H's layout in small: a Mamba-2 layer, then an attention layer without RoPE
+    # (position_embedding_type None, as the released models), experts plus a shared MLP; a
+    # second Mamba layer after the attention, so its state depends on the attention's output.
+    return GraniteMoeHybridConfig(
+        **tiny_dims(),
+        layer_types=["full_attention", "linear_attention"],
+        mamba_n_heads=4,
+        mamba_d_head=32,
+        mamba_d_state=16,
+        mamba_n_groups=1,
+        mamba_d_conv=4,
+        mamba_expand=2,
+        mamba_chunk_size=16,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        shared_intermediate_size=64,
+        experts_implementation="batched_mm",
+    )
+
+
+HYBRID_FAMILIES: dict[str, Family] = {
+    f.name: f
+    for f in (
+        Family(
+            "qwen3-next",
+            _qwen3_next,
+            description="gated delta-net + gated full attention (q/k norm, partial rotary)",
+        ),
+        Family(
+            "qwen3-next-attention",
+            _qwen3_next_attention,
+            description="Qwen3-Next's gated full-attention layers alone (output gate, q/k norm)",
+        ),
+        Family("qwen3.5", _qwen3_5, description="Qwen3.5 text: gated delta-net + gated attention"),
+        Family("lfm2", _lfm2, description="short-conv layers + attention (q/k norm)"),
+        Family(
+            "granite-moe-hybrid",
+            _granite_moe_hybrid,
+            description="Mamba-2 layers + NoPE attention, experts + shared MLP",
+        ),
+    )
+}
+"""Hybrid stacks (tests/families/test_hybrid.py); transformers 5.x only. Each has an attention
+layer and a layer that keeps conv/recurrent state, exported as extra inputs/outputs."""

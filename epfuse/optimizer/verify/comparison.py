@@ -22,7 +22,7 @@ class OutputComparison:
 
     scenario: str
     output: str
-    kind: str  # "logits" or "kv"
+    kind: str  # "logits", "kv" or "state" (a hybrid stack's conv/recurrent state)
     shape: tuple[int, ...]
     max_abs_err: float
     max_rel_err: float

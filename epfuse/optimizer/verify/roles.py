@@ -4,7 +4,9 @@ presents, logits), so that two graphs from different builders can be fed the sam
 The roles are :class:`~epfuse.patterns.analysis.signature.DecoderSignature`'s (the one
 implementation, on onnx_ir: verify's runner hands it the model it converted once; a
 ``ModelProto`` given directly is converted here), and this module refuses what verify cannot
-feed (unrecognised inputs, dynamic KV sizes, unequal past/present counts)."""
+feed (unrecognised inputs, dynamic KV sizes, unequal past/present counts). A hybrid stack's
+fixed-size conv/recurrent states are fed like a past: zeros for a first prompt (exactly a
+fresh state), the model's own outputs to continue."""
 
 from __future__ import annotations
 
@@ -43,6 +45,16 @@ class KVSpec:
 
 
 @dataclass(frozen=True)
+class StateSpec:
+    """One fixed-size state input (conv window, recurrent state) and its output."""
+
+    past: str
+    present: str
+    shape: tuple[int, ...]
+    """The dims after the batch."""
+
+
+@dataclass(frozen=True)
 class ModelIO:
     """The roles of a decoder's graph inputs and outputs."""
 
@@ -61,6 +73,8 @@ class ModelIO:
     token_kind: str = "ids"
     """"ids": ``input_ids`` holds token ids; "embeds": it is (batch, seq, hidden) embeddings."""
     hidden_size: int | None = None
+    states: tuple[StateSpec, ...] = ()
+    """A hybrid stack's conv/recurrent states (see the module docstring)."""
 
     def describe(self) -> str:
         """What each role was matched to, for the verify output."""
@@ -73,12 +87,15 @@ class ModelIO:
             parts.append(
                 f"{len(self.kv)} past/present ({self.kv[0].past} -> {self.kv[0].present}, ...)"
             )
+        if self.states:
+            first = self.states[0]
+            parts.append(f"{len(self.states)} state(s) ({first.past} -> {first.present}, ...)")
         parts.append(f"logits={self.logits}")
         return ", ".join(parts)
 
     @property
     def has_cache(self) -> bool:
-        return bool(self.kv)
+        return bool(self.kv) or bool(self.states)
 
 
 def discover_io(model: onnx.ModelProto | ir.Model) -> ModelIO:
@@ -147,4 +164,5 @@ def discover_io(model: onnx.ModelProto | ir.Model) -> ModelIO:
         position_streams=sig.position_streams,
         token_kind=sig.token_kind,
         hidden_size=sig.hidden_size,
+        states=tuple(StateSpec(st.past.name, st.present.name, st.shape) for st in sig.states),
     )

@@ -114,6 +114,7 @@ class _Runner:
         position_ids: np.ndarray,
         past: Sequence[np.ndarray] | None,
     ) -> tuple[np.ndarray, list[np.ndarray]]:
+        """Logits and the presents: the KV's, then the states' (``past`` in that order)."""
         io = self.io
         if io.token_kind == "embeds":
             assert self.embed_table is not None
@@ -132,9 +133,18 @@ class _Runner:
             else:
                 value = past[i]
             feed[spec.past] = value.astype(_feed_float(io.dtype))
-        names = [io.logits] + [spec.present for spec in io.kv if spec.present]
+        for i, state in enumerate(io.states, start=len(io.kv)):
+            # Zeros are a fresh state: a causal conv over zero padding, a scan from zero.
+            value = np.zeros((batch, *state.shape), np.float32) if past is None else past[i]
+            feed[state.past] = value.astype(_feed_float(io.dtype))
+        names = [io.logits, *present_names(io)]
         outs = self.session.run(names, feed, self.run_options)
         return outs[0], list(outs[1:])
+
+
+def present_names(io) -> list[str]:
+    """The presents :meth:`_Runner.run` returns: the KV's, then the states'."""
+    return [spec.present for spec in io.kv if spec.present] + [s.present for s in io.states]
 
 
 def _compare_step(
@@ -177,14 +187,20 @@ def _compare_step(
             scenario, logits_name, "logits", ref_logits, opt_logits, tol, valid_rows, 1, 0
         )
     )
-    names = [spec.present for spec in original.io.kv if spec.present]
+    names = present_names(original.io)
+    num_kv = len(names) - len(original.io.states)
     if len(opt_presents) != len(ref_presents):
         result.error = (
             f"optimized model has {len(opt_presents)} present outputs, "
             f"original has {len(ref_presents)}"
         )
         return result
-    for name, ref, opt in zip(names, ref_presents, opt_presents, strict=True):
+    for i, (name, ref, opt) in enumerate(zip(names, ref_presents, opt_presents, strict=True)):
+        if i >= num_kv:
+            # A state has no length axis: all of it, padded rows' included (both models
+            # compute those from the same masked inputs of the untouched layers).
+            result.comparisons.append(_compare(scenario, name, "state", ref, opt, tol))
+            continue
         result.comparisons.append(
             _compare_valid(scenario, name, "kv", ref, opt, tol, valid_rows, 2, case.past_len)
         )
@@ -311,6 +327,11 @@ class Comparator:
         if len(ref.io.kv) != len(opt.io.kv):
             raise ValueError(
                 f"original has {len(ref.io.kv)} past/present pairs, optimized has {len(opt.io.kv)}"
+            )
+        if [s.shape for s in ref.io.states] != [s.shape for s in opt.io.states]:
+            raise ValueError(
+                f"original has states {[s.past for s in ref.io.states]}, optimized has "
+                f"{[s.past for s in opt.io.states]}"
             )
         if ref.io.dtype != opt.io.dtype:
             raise ValueError(f"dtype differs: original {ref.io.dtype}, optimized {opt.io.dtype}")
@@ -510,11 +531,16 @@ def _padded_decode(
         for t in range(1, scenario.steps + 1):
             check = _compare(name, "logits", "logits", alone[b][t][0][0], ref_out[t][0][b], tol)
             if not check.passed:
+                why = (
+                    "the padding steps enter its conv/recurrent state"
+                    if ref.io.states
+                    else "the batch changes its result (e.g. a sliding window over cache "
+                    "slots, padding holes included, or LongRoPE's switch on the batch's largest "
+                    "position)"
+                )
                 result.skipped = (
                     f"the original's row {b} after its padded prompt differs from the row run "
-                    f"alone (max err {check.max_abs_err:.3g}): the batch changes its result "
-                    "(e.g. a sliding window over cache slots, padding holes included, or "
-                    "LongRoPE's switch on the batch's largest position)"
+                    f"alone (max err {check.max_abs_err:.3g}): {why}"
                 )
                 return result
     try:
@@ -533,9 +559,12 @@ def _padded_decode(
     if len(ref_presents) != len(opt_presents):
         result.error = "optimized model has a different number of present outputs"
         return result
-    names = [spec.present for spec in ref.io.kv if spec.present]
+    names = present_names(ref.io)
+    states = {s.present for s in ref.io.states}
     for present, r, o in zip(names, ref_presents, opt_presents, strict=True):
-        if r.shape != o.shape:
+        if present in states:
+            comparison = _compare(name, present, "state", r, o, tol)
+        elif r.shape != o.shape:
             comparison = _compare(name, present, "kv", r, o, tol)
         else:
             comparison = _compare(

@@ -12,8 +12,14 @@ one place that works it out (on onnx_ir), so the four readers cannot disagree:
 * :func:`input_role` classifies one value from its own shape and consumers (what the probes
   need to size it); :meth:`DecoderSignature.of` resolves the whole graph with it, adding what
   only the whole graph tells (the vocabulary from the logits, the tokens' sequence dim);
-* nothing here raises on an unusual graph: what is not recognised is listed as extra state
-  (``extra_inputs``/``extra_outputs``), and the caller decides whether it can live with that.
+* a hybrid stack's conv/recurrent layers (LFM2, Granite-MoE-hybrid, Qwen3-Next) carry a
+  fixed-size state from step to step: an input whose dims after the batch are all static, with
+  an output of the same dims and dtype. That is the recognised extra state (``states``, a
+  :class:`StateTensor` per input/output pair), never a KV past: a past grows along its length
+  axis, so its present is never its own shape with every other axis static;
+* nothing here raises on an unusual graph: what is not recognised is listed as extra
+  inputs/outputs (``extra_inputs``/``extra_outputs``), and the caller decides whether it can
+  live with that.
 """
 
 from __future__ import annotations
@@ -162,6 +168,17 @@ class CacheTensor:
 
 
 @dataclasses.dataclass(frozen=True)
+class StateTensor:
+    """A fixed-size state input (conv window, recurrent/SSM state) and the output that carries
+    it to the next step: same dims (static after the batch) and dtype."""
+
+    past: ir.Value
+    present: ir.Value
+    shape: tuple[int, ...]
+    """The dims after the batch."""
+
+
+@dataclasses.dataclass(frozen=True)
 class DecoderSignature:
     """What each graph input and output of a decoder is (see the module docstring)."""
 
@@ -175,6 +192,8 @@ class DecoderSignature:
     cache: tuple[CacheTensor, ...]
     """Past inputs in (layer, key before value) order."""
     logits: ir.Value | None
+    states: tuple[StateTensor, ...]
+    """Fixed-size extra state (conv/recurrent layers of a hybrid stack), in input order."""
     extra_inputs: tuple[ir.Value, ...]
     extra_outputs: tuple[ir.Value, ...]
     dtype: ir.DataType | None
@@ -211,11 +230,57 @@ def _logits(rest: list[ir.Value]) -> ir.Value | None:
     return None
 
 
+def _fixed(value: ir.Value) -> tuple[int, ...] | None:
+    """The dims after the batch when they are all static (a fixed-size state), else None."""
+    dims = _dims(value)
+    if dims is None or len(dims) < 2 or value.dtype not in FLOATS:
+        return None
+    rest = dims[1:]
+    return tuple(rest) if all(isinstance(d, int) for d in rest) else None  # type: ignore[arg-type]
+
+
+def _states(inputs: list[ir.Value], outputs: list[ir.Value]) -> list[StateTensor]:
+    """Pair each fixed-size float input with an output of the same dims and dtype. Several of
+    one shape (a conv window per layer) pair in name order (the layer number, the graph leaves
+    it open: every later state depends on every earlier one), then input/output order."""
+    groups: dict[tuple, tuple[list[ir.Value], list[ir.Value]]] = {}
+    for v in inputs:
+        shape = _fixed(v)
+        if shape is not None:
+            groups.setdefault((shape, v.dtype), ([], []))[0].append(v)
+    for v in outputs:
+        shape = _fixed(v)
+        if shape is not None and (shape, v.dtype) in groups:
+            groups[(shape, v.dtype)][1].append(v)
+    out = []
+    for (shape, _), (pasts, presents) in groups.items():
+        if len(pasts) != len(presents):
+            continue  # not a carried state (e.g. a static-shape decoder's past); left as is
+
+        def order(values: list[ir.Value]) -> list[ir.Value]:
+            named = [_named(v.name or "")[0] for v in values]
+            if None in named or len(set(named)) != len(named):
+                return values
+            return [v for _, v in sorted(zip(named, values, strict=True), key=lambda p: p[0])]
+
+        for past, present in zip(order(pasts), order(presents), strict=True):
+            out.append(StateTensor(past, present, shape))
+    position = {id(v): i for i, v in enumerate(inputs)}
+    return sorted(out, key=lambda st: position[id(st.past)])
+
+
 def _signature(graph: ir.Graph) -> DecoderSignature:
     inputs = [v for v in graph.inputs if not v.is_initializer()]
+    states = _states(inputs, list(graph.outputs))
+    stateful = {id(v) for st in states for v in (st.past, st.present)}
+    inputs = [v for v in inputs if id(v) not in stateful]
     roles = {id(v): input_role(v) for v in inputs}
     pasts = [v for v in inputs if roles[id(v)] == "past"]
-    presents = [v for v in graph.outputs if v.dtype in (*FLOATS, *_QUANTIZED) and _rank(v) == 4]
+    presents = [
+        v
+        for v in graph.outputs
+        if v.dtype in (*FLOATS, *_QUANTIZED) and _rank(v) == 4 and id(v) not in stateful
+    ]
     rest = [v for v in graph.outputs if v not in presents]
     logits = _logits(rest)
     vocab = _static(_dims(logits), 2) if logits is not None else None
@@ -267,7 +332,11 @@ def _signature(graph: ir.Graph) -> DecoderSignature:
     cache = _cache(graph, pasts, presents)
     known = {id(v) for v in (tokens, mask, positions) if v is not None} | {id(v) for v in pasts}
     paired = {id(c.present) for c in cache if c.present is not None}
-    extra_outputs = [v for v in graph.outputs if v is not logits and id(v) not in paired]
+    extra_outputs = [
+        v
+        for v in graph.outputs
+        if v is not logits and id(v) not in paired and id(v) not in stateful
+    ]
 
     dtype = None
     for v in [*pasts, *([logits] if logits is not None else []), *graph.outputs]:
@@ -282,6 +351,7 @@ def _signature(graph: ir.Graph) -> DecoderSignature:
         position_streams=positions is not None and roles[id(positions)] == "positions3d",
         cache=cache,
         logits=logits,
+        states=tuple(states),
         extra_inputs=tuple(v for v in inputs if id(v) not in known),
         extra_outputs=tuple(extra_outputs),
         dtype=dtype,
@@ -403,6 +473,10 @@ def probe_array(
         return None
     role, dims = input_role(value), _dims(value)
     np_dtype = value.dtype.numpy() if value.dtype != ir.DataType.BFLOAT16 else np.float32
+    fixed = _fixed(value)
+    if fixed is not None:
+        # A fixed-size state (a hybrid stack's conv/recurrent state): only the batch varies.
+        return np.zeros((batch, *fixed), dtype=np_dtype)
     if role == "past":
         heads, head_size = _static(dims, 1), _static(dims, 3)
         if heads is None or head_size is None:
