@@ -130,6 +130,23 @@ def kv_names(model: ir.Model, signature: DecoderSignature | None = None) -> KVNa
     return KVNames(*(_template(names, what) for what, names in columns.items()), len(layers))
 
 
+def hybrid_blocker(sig: DecoderSignature) -> None:
+    """Refuse a hybrid stack (conv/recurrent state carried between steps) in one line.
+
+    onnxruntime-genai 0.18 runs such models only in the layout its own builder writes (per-layer
+    ``layer_types``, conv/recurrent state groups, a conv window of kernel - 1 columns where
+    Hugging Face keeps kernel), none of which this packager writes or has been run against.
+    """
+    if sig.states:
+        names = ", ".join(st.past.name for st in sig.states[:2])
+        more = ", ..." if len(sig.states) > 2 else ""
+        raise UnsupportedModelError(
+            f"hybrid model ({len(sig.states)} conv/recurrent state inputs: {names}{more}): "
+            "onnxruntime-genai needs its own hybrid support (its builder's state layout), "
+            "which --genai does not write; the optimized model runs in onnxruntime as is"
+        )
+
+
 def share_buffer_blocker(model: ir.Model, names: KVNames | None = None) -> str | None:
     """Why past and present cannot share one buffer in ``model``, or None when they can.
 
@@ -282,6 +299,7 @@ def genai_config(
     record = get_ep(ep)
     graph = model.graph
     sig = DecoderSignature.of(model)
+    hybrid_blocker(sig)
     names = kv_names(model, sig)
     blocker = share_buffer_blocker(model, names)
     if share_buffer and blocker:

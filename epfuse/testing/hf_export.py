@@ -92,6 +92,10 @@ class CacheSlot:
     def present_name(self) -> str:
         return f"present.{self.layer}.{self.kind}"
 
+    @property
+    def io_names(self) -> tuple[str, str]:
+        return self.past_name, self.present_name
+
 
 def cache_slots(config, model=None) -> list[CacheSlot]:
     """The flat cache of ``config``'s decoder, in export order.

@@ -51,6 +51,7 @@ Weights are stored the way the exporter stores them: Linear weights pre-transpos
 from __future__ import annotations
 
 import collections
+import copy
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -720,3 +721,29 @@ def build_decoder(cfg: DecoderConfig) -> onnx.ModelProto:
         ir_version=IR_VERSION,
         producer_name="epfuse.tests.model_builder",
     )
+
+
+def with_carried_state(
+    model: onnx.ModelProto, shapes: Sequence[tuple[int, ...]] = ((8, 3), (2, 4, 4))
+) -> onnx.ModelProto:
+    """``model`` plus fixed-size states carried from step to step, as a hybrid stack's conv /
+    recurrent layers have (``past_key_values.{n}.state`` (batch, *shape) in, ``present.{n}.state``
+    = past * 0.5 + 1 out; layer numbers after the model's own): the interface without torch."""
+    model = copy.deepcopy(model)
+    graph = model.graph
+    dtype = graph.output[0].type.tensor_type.elem_type
+    first = sum(1 for i in graph.input if i.name.endswith(".key"))
+    half = numpy_helper.from_array(np.array(0.5, helper.tensor_dtype_to_np_dtype(dtype)), "_half")
+    one = numpy_helper.from_array(np.array(1.0, helper.tensor_dtype_to_np_dtype(dtype)), "_one")
+    graph.initializer.extend([half, one])
+    for n, shape in enumerate(shapes, start=first):
+        past, present = f"past_key_values.{n}.state", f"present.{n}.state"
+        graph.input.append(helper.make_tensor_value_info(past, dtype, ["batch", *shape]))
+        graph.output.append(helper.make_tensor_value_info(present, dtype, ["batch", *shape]))
+        graph.node.extend(
+            [
+                helper.make_node("Mul", [past, "_half"], [f"{past}_scaled"]),
+                helper.make_node("Add", [f"{past}_scaled", "_one"], [present]),
+            ]
+        )
+    return model

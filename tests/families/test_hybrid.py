@@ -1,6 +1,6 @@
 """Hybrid stacks (transformers 5.x): attention layers between layers that keep a fixed-size
 conv/recurrent state (LFM2's short convolutions, Granite-MoE-hybrid's Mamba-2 layers), exported
-by torch.onnx at opset 23 with those states as extra inputs/outputs (``epfuse.testing.hf_export``).
+by torch.onnx at opsets 23 and 18 with those states as extra inputs/outputs (``epfuse.testing.hf_export``).
 
 The export is Hugging Face's model: it matches the model run by Hugging Face's own cache
 (``DynamicCache(config=config)``, a fresh one for the prompt, then continued) over a prompt longer
@@ -9,7 +9,8 @@ On cpu only the attention layers fuse (the report counts those); the conv/Mamba 
 states pass through untouched, and the result is equivalent in every scenario that applies
 (padded_decode does not: a right-padded prompt's padding steps enter the conv/recurrent state,
 so the original itself differs from the row run alone, and verify says so).
-Qwen3-Next / Qwen3.5 cannot be exported today (see test_delta_net_export_error); Qwen3-Next's
+Qwen3-Next / Qwen3.5, and Granite with two Mamba layers, cannot be exported today (see
+test_known_export_errors); Qwen3-Next's
 gated attention layers alone can (qwen3-next-attention) and fuse with the gate kept outside."""
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import onnxruntime as ort
 import pytest
 
 import epfuse
+from epfuse.optimizer.cli import main
 from epfuse.optimizer.verify import compare_models
 from epfuse.testing.hf_export import cache_slots, export_hf_decoder, hf_model
 from epfuse.testing.hf_families import HYBRID_FAMILIES
@@ -34,12 +36,16 @@ EXPORTABLE = ("lfm2", "granite-moe-hybrid")
 PROMPT, BATCH = 20, 2  # longer than granite's Mamba chunk (16) and every conv kernel
 
 
-@pytest.fixture(scope="module", params=EXPORTABLE)
+@pytest.fixture(
+    scope="module",
+    params=[(name, opset) for name in EXPORTABLE for opset in (23, 18)],
+    ids=lambda p: f"{p[0]}-opset{p[1]}",
+)
 def exported(request, tmp_path_factory):
-    name = request.param
+    name, opset = request.param
     config = HYBRID_FAMILIES[name].make_config()
-    path = tmp_path_factory.mktemp("hybrid") / f"{name}.onnx"
-    export_hf_decoder(config, path, opset=23)
+    path = tmp_path_factory.mktemp("hybrid") / f"{name}-{opset}.onnx"
+    export_hf_decoder(config, path, opset=opset)
     return name, config, onnx.load(str(path))
 
 
@@ -133,14 +139,12 @@ def test_only_the_attention_layers_fuse(optimized):
 
 def test_states_pass_through(optimized):
     _, config, original, model, _ = optimized
-    states = [s for s in cache_slots(config) if s.shape is not None]
+    names = {n for s in cache_slots(config) if s.shape is not None for n in s.io_names}
 
     def io(m):
-        values = [*m.graph.input, *m.graph.output]
-        return {v.name: v.type for v in values if any(v.name.endswith(k) for k in ("conv", "rent"))}
+        return {v.name: v.type for v in [*m.graph.input, *m.graph.output] if v.name in names}
 
-    assert io(model) == io(original)
-    assert len(io(model)) == 2 * len(states)
+    assert io(model) == io(original) and len(io(model)) == len(names)
 
 
 def test_optimized_is_equivalent(optimized):
@@ -152,6 +156,17 @@ def test_optimized_is_equivalent(optimized):
     assert "conv/recurrent state" in result.scenario("padded_decode").skipped
     states = [c for s in result.scenarios for c in s.comparisons if c.kind == "state"]
     assert states and all(c.passed for c in states)
+
+
+def test_genai_packaging_refuses_in_one_line(exported, tmp_path, capsys):
+    name, _, original = exported
+    path = tmp_path / f"{name}.onnx"
+    onnx.save(original, str(path))
+    out = tmp_path / "pkg"
+    assert main(["optimize", str(path), "-o", str(out), "--genai"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert "genai needs its own hybrid support" in err and "\n" not in err
+    assert not out.exists()
 
 
 def test_qwen3_next_gated_attention_fuses_with_the_gate_outside(tmp_path):
@@ -173,9 +188,22 @@ def test_qwen3_next_gated_attention_fuses_with_the_gate_outside(tmp_path):
     assert result.passed, str(result)
 
 
-def test_delta_net_export_error(tmp_path):
-    """The chunked gated delta rule (Qwen3-Next; Qwen3.5 has the same kernel) loops in Python
-    over ceil(seq / 64) chunks: torch.export specialises ``seq`` to the traced length (3), so no
-    dynamic-length export exists. When this stops raising, the family can join EXPORTABLE."""
+def _two_mamba_layers():
+    config = HYBRID_FAMILIES["granite-moe-hybrid"].make_config()
+    config.num_hidden_layers = 3
+    config.layer_types = ["linear_attention", "linear_attention", "full_attention"]
+    return config
+
+
+@pytest.mark.parametrize(
+    "make_config",
+    [HYBRID_FAMILIES["qwen3-next"].make_config, _two_mamba_layers],
+    ids=["qwen3-next", "granite-two-mamba-layers"],
+)
+def test_known_export_errors(make_config, tmp_path):
+    """torch.export specialises ``seq`` to the traced length (3), so no dynamic-length export
+    exists: Qwen3-Next's chunked gated delta rule (Qwen3.5 has the same kernel) loops in Python
+    over ceil(seq / 64) chunks; a second Mamba-2 layer's chunk scan pins the padded chunk count
+    (one Mamba layer exports). When this stops raising, the configs can join EXPORTABLE."""
     with pytest.raises(Exception, match=r"Constraints violated \(total\)"):
-        export_hf_decoder(HYBRID_FAMILIES["qwen3-next"].make_config(), tmp_path / "q.onnx")
+        export_hf_decoder(make_config(), tmp_path / "model.onnx")

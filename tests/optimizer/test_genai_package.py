@@ -219,3 +219,14 @@ def test_packaged_model_still_runs_as_plain_ort(tmp_path, fused):
         feed[name] = np.zeros((1, 2, 0, 16), np.float32)
     logits = session.run(["logits"], feed)[0]
     assert logits.shape == (1, 3, 256) and np.isfinite(logits).all()
+
+
+def test_a_hybrid_model_is_refused_in_one_line(example_model):
+    """Conv/recurrent state (a hybrid stack) needs genai's own hybrid support."""
+    import onnx
+    from model_builder import with_carried_state
+
+    model = ir.from_proto(with_carried_state(onnx.load(str(example_model))))
+    with pytest.raises(UnsupportedModelError, match="genai needs its own hybrid support") as err:
+        genai_config(model, None, "cpu")
+    assert "\n" not in str(err.value)

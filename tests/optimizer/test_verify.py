@@ -279,3 +279,28 @@ def test_position_feed_extension_point_for_3d_positions(example):
     fed = position_feed(dataclasses.replace(io, position_streams=True), positions)
     assert fed.shape == (3, 2, 3) and fed.dtype == np.int64
     assert all((fed[i] == positions).all() for i in range(3))
+
+
+def test_carried_states_are_fed_and_compared(example):
+    """A hybrid stack's conv/recurrent states: zeros on a prompt, the original's own states to
+    continue, compared in full. A wrong state update is invisible on a first prompt (zeros)
+    and caught once a real state is fed."""
+    from model_builder import with_carried_state
+
+    original = with_carried_state(example)
+    io = discover_io(original)
+    assert [(s.past, s.present, s.shape) for s in io.states] == [
+        ("past_key_values.2.state", "present.2.state", (8, 3)),
+        ("past_key_values.3.state", "present.3.state", (2, 4, 4)),
+    ]
+    result = compare_models(original, original)
+    assert result.passed, str(result)
+    compared = {c.output for s in result.scenarios for c in s.comparisons if c.kind == "state"}
+    assert compared == {"present.2.state", "present.3.state"}
+
+    broken = _copy(original)
+    (half,) = [t for t in broken.graph.initializer if t.name == "_half"]
+    half.CopyFrom(numpy_helper.from_array(np.array(0.6, np.float32), "_half"))
+    result = compare_models(original, broken, scenarios=["prompt", "decode"])
+    assert result.scenario("prompt").passed
+    assert not result.scenario("decode").passed

@@ -14,9 +14,9 @@ one place that works it out (on onnx_ir), so the four readers cannot disagree:
   only the whole graph tells (the vocabulary from the logits, the tokens' sequence dim);
 * a hybrid stack's conv/recurrent layers (LFM2, Granite-MoE-hybrid, Qwen3-Next) carry a
   fixed-size state from step to step: an input whose dims after the batch are all static, with
-  an output of the same dims and dtype. That is the recognised extra state (``states``, a
-  :class:`StateTensor` per input/output pair), never a KV past: a past grows along its length
-  axis, so its present is never its own shape with every other axis static;
+  an output of the same dims and dtype, not read as an attention op's past. That is the
+  recognised extra state (``states``, a :class:`StateTensor` per input/output pair), never a
+  KV past: a past grows along its length axis (a static shared buffer is read by attention);
 * nothing here raises on an unusual graph: what is not recognised is listed as extra
   inputs/outputs (``extra_inputs``/``extra_outputs``), and the caller decides whether it can
   live with that.
@@ -239,6 +239,15 @@ def _fixed(value: ir.Value) -> tuple[int, ...] | None:
     return tuple(rest) if all(isinstance(d, int) for d in rest) else None  # type: ignore[arg-type]
 
 
+def _read_as_cache(value: ir.Value) -> bool:
+    """An attention op reads ``value`` as its past (a static-shape KV buffer, e.g. genai's
+    shared one at a fixed length): a KV cache, whatever its shape says."""
+    return any(
+        index in _CACHE_SLOTS.get((node.domain, node.op_type), {})
+        for node, index in _reached(value)
+    )
+
+
 def _states(inputs: list[ir.Value], outputs: list[ir.Value]) -> list[StateTensor]:
     """Pair each fixed-size float input with an output of the same dims and dtype. Several of
     one shape (a conv window per layer) pair in name order (the layer number, the graph leaves
@@ -246,7 +255,7 @@ def _states(inputs: list[ir.Value], outputs: list[ir.Value]) -> list[StateTensor
     groups: dict[tuple, tuple[list[ir.Value], list[ir.Value]]] = {}
     for v in inputs:
         shape = _fixed(v)
-        if shape is not None:
+        if shape is not None and not _read_as_cache(v):
             groups.setdefault((shape, v.dtype), ([], []))[0].append(v)
     for v in outputs:
         shape = _fixed(v)

@@ -98,3 +98,23 @@ def test_unknown_input_is_extra_state():
     assert [v.name for v in sig.extra_inputs] == ["extra"]
     assert sig.logits.name == "logits"
     assert np.dtype(sig.dtype.numpy()) == np.float32
+
+
+def test_carried_state_is_extra_state_not_a_past():
+    """A hybrid stack's conv/recurrent state (static after the batch, an output of the same
+    shape) is recognised as state: the KV layout and the other roles are unchanged."""
+    from model_builder import with_carried_state
+
+    cfg = DecoderConfig(style="torch23", layers=2)
+    plain = DecoderSignature.of(ir.from_proto(build_decoder(cfg)))
+    sig = DecoderSignature.of(ir.from_proto(with_carried_state(build_decoder(cfg))))
+    assert _layout(sig) == _layout(plain)
+    assert [(s.past.name, s.present.name, s.shape) for s in sig.states] == [
+        ("past_key_values.2.state", "present.2.state", (8, 3)),
+        ("past_key_values.3.state", "present.3.state", (2, 4, 4)),
+    ]
+    assert not sig.extra_inputs and not sig.extra_outputs
+    assert sig.tokens.name == "input_ids" and sig.logits.name == "logits"
+    # probe_array sizes a state by its own dims, only the batch varies.
+    state = sig.states[1].past
+    assert probe_array(state, sig.attention_mask, 3, 5, 7).shape == (3, 2, 4, 4)
