@@ -34,13 +34,13 @@ EXPECTED = {
     "phi3": (1, (None, None), 0.0),
     "stablelm": (1, (None, None), 0.0),
     "gemma3": (1, (W, None, W, None), 0.0),
-    "glm": (0, (None, None), 0.0),  # interleaved partial rotary stays outside GQA
+    "glm": (1, (None, None), 0.0),  # interleaved partial rotary
     "olmo2": (1, (None, None), 0.0),
     "nemotron": (1, (None, None), 0.0),
     "olmo": (1, (None, None), 0.0),
     "olmo3": (1, (W, None), 0.0),
     "gemma": (1, (None, None), 0.0),
-    "ernie4_5": (0, (None, None), 0.0),  # see test_families_opset23: rotation stays outside
+    "ernie4_5": (1, (None, None), 0.0),  # interleaved, as GLM
     "hunyuan-dense": (0, (None, None), 0.0),  # q/k norm after RoPE: rotation stays outside
 }
 assert set(EXPECTED) == set(FAMILIES)
@@ -64,7 +64,7 @@ def test_opset18_export_fuses_and_stays_equal(name, tmp_path):
         assert attrs.get("local_window_size", -1) == (window if window else -1)
         assert attrs.get("softcap", 0.0) == pytest.approx(softcap)
     # Nothing of the decomposed attention or RMSNorm is left, nor the run-time RoPE where GQA
-    # rotates (glm's rotation stays outside, with its own Cos/Sin).
+    # rotates (where RoPE stays outside GQA, its Cos/Sin stay with it).
     gone = {"Softmax", "ReduceMean"} | ({"Cos", "Sin"} if rotary else set())
     assert not gone & {n.op_type for n in optimized.graph.node}
     assert_equivalent(original, optimized, prompt_len=2 * W + 1, decode_past_len=2 * W)

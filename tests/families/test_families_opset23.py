@@ -58,22 +58,21 @@ EXPECTED: dict[str, Expected] = {
     "phi3": Expected(),
     "stablelm": Expected(),
     "gemma3": Expected(windows=(W, None, W, None)),
-    # GLM's interleaved partial rotary is exported decomposed as well.
-    "glm": Expected(rotary=False, rope_reason=NOT_ROTATED),
+    # GLM's interleaved partial rotary is exported decomposed as well, with cos/sin's first
+    # halves repeated pairwise after the head unsqueeze: rotate_half lifts it (interleaved).
+    "glm": Expected(),
     "olmo2": Expected(),
     "nemotron": Expected(),  # partial rotary 0.5 of head_dim 32
     "olmo": Expected(),  # the clip_qkv Clips stay ahead of the fused rotary
     "olmo3": Expected(windows=(W, None)),
     "gemma": Expected(),
-    # Ernie 4.5 unsqueezes cos/sin over heads *before* repeat_interleave'ing their first
-    # halves (GLM's form at full width): rotate_half does not match that order, so the
-    # rotation stays decomposed (equal, outside GQA).
-    "ernie4_5": Expected(rotary=False, rope_reason=NOT_ROTATED),
+    "ernie4_5": Expected(),  # GLM's interleaved form at full width
     # HunYuan normalizes Q and K *after* RoPE: GQA would rotate after the norm, so the
     # RotaryEmbedding stays ahead of the norm, outside GQA.
     "hunyuan-dense": Expected(rotary=False, rope_reason=NOT_ROTATED),
 }
 assert set(EXPECTED) == set(FAMILIES)
+INTERLEAVED = {"glm", "ernie4_5"}  # rotate-every-two: GQA's rotary_interleaved
 
 PROMPT, PAST = 2 * W + 1, 2 * W  # longer than any sliding window
 
@@ -176,6 +175,7 @@ def test_every_layer_becomes_gqa_as_expected(family):
         details = "; ".join(layer.notes + layer.reasons)
         assert layer.result == f"GroupQueryAttention(do_rotary={int(expected.rotary)})", details
         assert a["do_rotary"] == int(expected.rotary)
+        assert a.get("rotary_interleaved", 0) == int(name in INTERLEAVED and expected.rotary)
         assert a.get("local_window_size", -1) == (expected.windows[i] or -1), details
         assert a.get("softcap", 0.0) == pytest.approx(expected.softcap)
         assert ("sliding window" in details) == (expected.windows[i] is not None), details

@@ -21,7 +21,10 @@ Interleaved (GPT-J / Cohere ``rotate_every_two``)::
 
 becomes ``RotaryEmbedding(..., interleaved=1)`` on ``trig(f)``, once the cos/sin are proven to
 be ``repeat_interleave(f, 2)`` (the Expand repeats only the new last axis, the Reshape merges
-it back while keeping the leading axes).
+it back while keeping the leading axes). GLM and Ernie 4.5 repeat after the head axis, from
+the first half of a rotate-half cos: ``cos4 = repeat_interleave(Unsqueeze(c, 1)[..., :D/2],
+2)`` with ``c = Cos(Concat(f, f))``; the rotation reads only that first half, so ``c`` must be
+proven ``[h, h]`` by structure (no evaluated fallback), and the half is ``trig(f)`` again.
 
 Partial rotary (``Concat(rope(Slice(x, 0, R)), Slice(x, R, end))``) becomes one
 ``RotaryEmbedding(x, ..., rotary_embedding_dim=R)``, which passes the rest through.
@@ -265,6 +268,44 @@ def _unsqueezed_heads(value: ir.Value, chain: list[ir.Node]) -> ir.Value | None:
     if c.shape is not None and len(c.shape) != 3:
         return None  # (an unknown shape is settled on the half, which must be rank 3)
     chain.append(unsq)
+    return c
+
+
+def _heads_then_repeated(value: ir.Value, chain: list[ir.Node]) -> ir.Value | None:
+    """c (B, S, D) when ``value = repeat_interleave(Unsqueeze(c, [1])[..., :D/2], 2)``:
+    ``Reshape(Expand(Unsqueeze(Slice(Unsqueeze(c, 1), 0, D/2, axis -1), -1), [1,1,1,1,2]),
+    [B, 1, S, D])``, GLM's and Ernie 4.5's interleaved form (the halves of a rotate-half cos
+    are repeated pairwise *after* the head axis is added). The rotation then reads the first
+    half of c, which the caller proves to be one of two equal halves."""
+    reshape = producer(value, "Reshape")
+    expand = producer(reshape.inputs[0], "Expand") if reshape else None
+    unsq = producer(expand.inputs[0], "Unsqueeze") if expand else None
+    if unsq is None or const_ints(input_at(unsq, 1)) not in ([-1], [4]):
+        return None
+    first = producer(unsq.inputs[0], "Slice")
+    heads = producer(first.inputs[0], "Unsqueeze") if first else None
+    if heads is None or const_ints(input_at(heads, 1)) not in ([1], [-3]):
+        return None
+    c = heads.inputs[0]
+    width = static_last(c)
+    if c.shape is None or len(c.shape) != 3 or width is None or width % 2:
+        return None
+    if _last_axis_slice(first, heads.outputs[0], 4) != (0, width // 2):
+        return None
+    repeat = const_ints(expand.inputs[1])
+    if repeat is None or len(repeat) > 5 or repeat[-1] != 2 or any(r != 1 for r in repeat[:-1]):
+        return None
+    target = shape_vector(reshape.inputs[1])
+    allowzero = attr(reshape, "allowzero", 0)
+    if target is None or len(target) != 4 or target.count(-1) > 1:
+        return None
+    for axis in range(3):
+        allowed = (dim(heads.outputs[0], axis), dim(expand.outputs[0], axis), -1)
+        if not _accepts(target[axis], allowed, allowzero):
+            return None
+    if target[3] not in (width, -1):
+        return None
+    chain.extend([reshape, expand, unsq, first, heads])
     return c
 
 
@@ -528,7 +569,7 @@ class RotateHalfToRotaryEmbedding(Rule):
         matched = self._match(node)
         if matched is None:
             return None
-        x, cos_full, sin_full, chain, interleaved = matched
+        x, cos_full, sin_full, chain, interleaved, halves = matched
         width = static_last(x)
         for c in (cos_full, sin_full):
             d = static_last(c)
@@ -549,7 +590,11 @@ class RotateHalfToRotaryEmbedding(Rule):
                 attributes["rotary_embedding_dim"] = width
             chain = [concat, *chain, x.producer(), tail]
             target = concat.outputs[0]
-        rope = self._structural(ctx, node, x, cos_full, sin_full, interleaved)
+        rope = self._structural(ctx, node, x, cos_full, sin_full, interleaved, halves)
+        if isinstance(rope, str) and halves:
+            # the rotation reads only the first half of cos/sin: the evaluated proof of the
+            # full-width (pairwise repeated) cos/sin does not apply.
+            return Kept(ReasonCode.NOT_PROVEN, rope)
         if isinstance(rope, str):
             # Not provably [c, c] by structure (or its batch is not the input's): evaluate
             # the full-width cos/sin instead, against caches read at the position_ids.
@@ -577,13 +622,14 @@ class RotateHalfToRotaryEmbedding(Rule):
         return Rewritten(f"rotate-half RoPE ({kind}) -> RotaryEmbedding")
 
     @staticmethod
-    def _structural(ctx, node, x, cos_full, sin_full, interleaved) -> ir.Node | str:
+    def _structural(ctx, node, x, cos_full, sin_full, interleaved, halves=False) -> ir.Node | str:
         """RotaryEmbedding(x, cos_half, sin_half) (not yet in the graph) when cos/sin are provably [c, c] (or
         repeat_interleave(c, 2)) by structure, or why not. The halves' batch must be the
         input's; when the shapes do not say so (the TorchScript exporter loses the batch dim
         of the expanded inv_freq), they must be proven cache rows of the position_ids."""
-        cos_plan = _half_plan(cos_full, "Cos", interleaved)
-        sin_plan = _half_plan(sin_full, "Sin", interleaved)
+        # halves: the pairs are repeated from c[..., :D/2] after the head axis; c must be [h, h]
+        cos_plan = _half_plan(cos_full, "Cos", interleaved and not halves)
+        sin_plan = _half_plan(sin_full, "Sin", interleaved and not halves)
         if cos_plan is None or sin_plan is None:
             return "cos/sin are not proven to be two equal halves [c, c]"
         all_per_token = True
@@ -636,9 +682,14 @@ class RotateHalfToRotaryEmbedding(Rule):
                     continue
                 cos_full = _unsqueezed_heads(cos4, chain)
                 sin_full = _unsqueezed_heads(sin4, chain)
+                halves = False
+                if interleaved and cos_full is None and sin_full is None:
+                    cos_full = _heads_then_repeated(cos4, chain)
+                    sin_full = _heads_then_repeated(sin4, chain)
+                    halves = True
                 if cos_full is None or sin_full is None:
                     continue
-                return x, cos_full, sin_full, chain, interleaved
+                return x, cos_full, sin_full, chain, interleaved, halves
         return None
 
     @staticmethod

@@ -44,7 +44,8 @@ class Variant:
     # the cos/sin batch is not provably x's: proven cache rows of the positions instead
     batch_form: str = "positions"
     # interleaved cos/sin: "expand" (dynamo) | "concat" (pairs stacked by Concat: only the
-    # evaluation proves it) | "wrong" (the pair's second entry is 2f: must be kept)
+    # evaluation proves it) | "wrong" (the pair's second entry is 2f: must be kept) |
+    # "after-heads" (the first half of Concat(f, f) repeated pairwise after the head axis)
     pair_form: str = "expand"
     # cos/sin as rows of constant tables (transformers < 4.38's cos_cached[:n][position_ids]):
     # "gather" | "sliced" (Slice of the rows first) | "uneven" (second half differs: kept)
@@ -146,6 +147,27 @@ def _graph(v: Variant) -> onnx.ModelProto:
             cos, sin = op("Mul", [cos, scale], "cos_s"), op("Mul", [sin, scale], "sin_s")
     cos4 = op("Unsqueeze", [cos, "a1"], "cos4")
     sin4 = op("Unsqueeze", [sin, "a1"], "sin4")
+    if v.pair_form == "after-heads":
+        # GLM / Ernie 4.5: cos[..., : D/2].repeat_interleave(2) after the head unsqueeze, on
+        # cos/sin built as Concat(f, f)
+        ends = const("half_end", [v.rotary // 2])
+        rep = const("rep5", [1, 1, 1, 1, 2])
+        target = op(
+            "Concat",
+            [op("Shape", [cos4], "b1s", start=0, end=3), const("dr", [v.rotary])],
+            "t4",
+            axis=0,
+        )
+        for name in ("cos4", "sin4"):
+            first = op(
+                "Slice",
+                [name, const(f"{name}_0", [0]), ends, const(f"{name}_ax", [3])],
+                f"{name}_h",
+            )
+            five = op("Unsqueeze", [first, const(f"{name}_a4", [4])], f"{name}_5")
+            pairs = op("Expand", [five, rep], f"{name}_pairs")
+            op("Reshape", [pairs, target], f"{name}_rep")
+        cos4, sin4 = "cos4_rep", "sin4_rep"
 
     def last_slice(x, start, end, out):
         return op("Slice", [x, const(f"{out}_s", [start]), const(f"{out}_e", [end]), "ax3"], out)
@@ -228,6 +250,12 @@ FUSED = {
     "matmul-freqs-partial-scaled": Variant(freqs_form="matmul", rotary=8, scaling=1.25),
     "interleaved": Variant(interleaved=True),
     "interleaved-partial-fp16": Variant(interleaved=True, rotary=8, dtype=TensorProto.FLOAT16),
+    "interleaved-after-heads": Variant(
+        interleaved=True, interleaved_cos=False, pair_form="after-heads"
+    ),
+    "interleaved-after-heads-partial": Variant(
+        interleaved=True, interleaved_cos=False, pair_form="after-heads", rotary=8
+    ),
 }
 
 
@@ -278,6 +306,18 @@ def test_unequal_halves_are_kept(halves):
 def test_interleaved_rotation_with_concatenated_halves_is_kept():
     """An interleaved rotation needs [c0, c0, c1, c1, ...]; Concat(f, f) is [c, c]."""
     ir_model, ctx = _ctx(_graph(Variant(interleaved=True, interleaved_cos=False)))
+    outcome = RotateHalfToRotaryEmbedding().apply(_rope_add(ir_model), ctx)
+    assert isinstance(outcome, Kept) and "halves" in outcome.message
+    assert not any(n.op_type == "RotaryEmbedding" for n in ir_model.graph)
+
+
+def test_pairs_repeated_after_heads_from_unequal_halves_are_kept():
+    """The after-heads form reads c[..., :D/2] of c = Cos(Concat(f, 2f)): c is not proven two
+    equal halves, so nothing changes."""
+    v = Variant(
+        interleaved=True, interleaved_cos=False, pair_form="after-heads", halves="different"
+    )
+    ir_model, ctx = _ctx(_graph(v))
     outcome = RotateHalfToRotaryEmbedding().apply(_rope_add(ir_model), ctx)
     assert isinstance(outcome, Kept) and "halves" in outcome.message
     assert not any(n.op_type == "RotaryEmbedding" for n in ir_model.graph)
