@@ -23,7 +23,7 @@ from epfuse.patterns import RULES, OptimizeOptions, ReasonCode, Rule
 from epfuse.patterns.analysis.signature import DecoderSignature
 
 from .io import load_model
-from .manager import SKIPPED_REASON, PassManager, RewriteFailure
+from .manager import SKIPPED_REASON, PassManager, RewriteFailure, RunState
 from .precision import Int4Options, PrecisionPlan
 from .precision import choose as choose_precision
 from .report import METADATA_KEY, Report
@@ -172,10 +172,13 @@ def optimize_with_report(
     # report names. An unknown culprit (a cycle found after the stages) is looked for by
     # rerunning with a cycle check after every rewrite.
     disabled: dict[str, str] = {}
+    # With verify, the rollback lowers the same canonical graph with other skip sets: it is
+    # canonicalized once (per set of disabled rules) and each run lowers a copy.
+    canonical_runs: dict[tuple, RunState] = {}
 
     def run(skip: Iterable[int], reuse_source: bool = False) -> tuple[ir.Model, Report]:
         checked = False
-        work = source if reuse_source else fresh()
+        work = source if reuse_source else None
         while True:
             options = OptimizeOptions(
                 max_seq_len=max_seq_len,
@@ -183,8 +186,18 @@ def optimize_with_report(
                 disabled_rules=dict(disabled),
                 check_rewrites=checked,
             )
+            key = (tuple(sorted(disabled)), checked)
+            manager = PassManager(tuple(rules))
             try:
-                report = PassManager(tuple(rules)).run(work, record, dtype, options, precision=plan)
+                if key in canonical_runs:
+                    canonical = canonical_runs[key].copy()
+                else:
+                    model = work if work is not None else fresh()
+                    canonical = manager.canonicalize(model, record, dtype, options, precision=plan)
+                    if original is not None:
+                        canonical_runs[key] = canonical.copy()
+                work = canonical.ctx.model
+                report = manager.lower(canonical, options.skip_layers)
                 break
             except RewriteFailure as failure:
                 if failure.rule is None and not checked:
@@ -197,7 +210,7 @@ def optimize_with_report(
                         f"disabled: its rewrite{where} {failure.why} (an epfuse bug; "
                         "the model was optimized again without it)"
                     )
-            work = fresh()
+            work = None  # half-edited: the next try starts from a fresh copy
         if not report.layers:
             why = [f"{r.name}: {reason}" for r in report.rules for reason in r.kept_reasons]
             detail = f" (kept: {'; '.join(why)})" if why else ""

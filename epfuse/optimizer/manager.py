@@ -28,10 +28,12 @@ caller (``epfuse.optimizer.api``), which never returns a model that fails it.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 import time
 from collections import defaultdict
+from collections.abc import Iterable
 from typing import ClassVar
 
 import onnx_ir as ir
@@ -137,6 +139,25 @@ class RunState:
             rule_reports=rule_reports,
             active=[rule for rule in rules if rule.name not in options.disabled_rules],
             precision=precision,
+        )
+
+    def copy(self) -> RunState:
+        """An independent copy of a run stopped after :data:`CANONICAL_STAGES`, for
+        :meth:`PassManager.lower`: the model re-read from its serialization (types, shapes
+        and layer labels included), the report copied, the run's memo fresh (its keys are the
+        original's node objects; every entry is rebuilt on demand)."""
+        model = ir.serde.deserialize_model(ir.serde.serialize_model(self.ctx.model))
+        ctx = RewriteContext(
+            model=model, ep=self.ctx.ep, dtype=self.ctx.dtype, options=self.ctx.options
+        )
+        report = copy.deepcopy(self.report)
+        return RunState(
+            ctx=ctx,
+            report=report,
+            rule_reports=copy.deepcopy(self.rule_reports),
+            active=self.active,
+            precision=self.precision,
+            layers={layer.layer: layer for layer in report.layers},
         )
 
 
@@ -385,10 +406,11 @@ class SummarizeReference(StagePass):
         return False
 
 
-STAGES: tuple[type[StagePass], ...] = (
-    InferTypes,
-    Canonicalize,
-    Precision,
+CANONICAL_STAGES: tuple[type[StagePass], ...] = (InferTypes, Canonicalize, Precision)
+"""The stages that read no ``skip_layers`` (layers are labelled after canonicalize):
+:meth:`PassManager.canonicalize`."""
+
+LOWERING_STAGES: tuple[type[StagePass], ...] = (
     Select,
     Lower,
     Finalize,
@@ -399,6 +421,9 @@ STAGES: tuple[type[StagePass], ...] = (
     Cleanup,
     Summarize,
 )
+""":meth:`PassManager.lower`: the rest of a full run."""
+
+STAGES: tuple[type[StagePass], ...] = CANONICAL_STAGES + LOWERING_STAGES
 """A full run, in order."""
 
 REFERENCE_STAGES: tuple[type[StagePass], ...] = (
@@ -442,6 +467,33 @@ class PassManager:
         """
         state = RunState.begin(model, ep, dtype, options, self.rules, precision)
         return self.pipeline(state, lower=lower)(model).report
+
+    def canonicalize(
+        self,
+        model: ir.Model,
+        ep: EPCapabilities,
+        dtype: str,
+        options: OptimizeOptions,
+        *,
+        precision: PrecisionPlan | None = None,
+    ) -> RunState:
+        """:data:`CANONICAL_STAGES` on ``model`` in place, with ``options.skip_layers``
+        ignored: the same result for every skip set, which :meth:`lower` continues (the
+        rollback of ``optimize(verify=True)`` lowers one :meth:`RunState.copy` per skip set)."""
+        unskipped = dataclasses.replace(options, skip_layers=frozenset())
+        state = RunState.begin(model, ep, dtype, unskipped, self.rules, precision)
+        Pipeline(state, *(stage(state) for stage in CANONICAL_STAGES))(model)
+        return state
+
+    def lower(self, state: RunState, skip_layers: Iterable[int] = ()) -> Report:
+        """:data:`LOWERING_STAGES` on a canonicalized run, offering no rule the attention of
+        ``skip_layers``; the run's report (as :meth:`run` with those ``skip_layers``)."""
+        skip = frozenset(skip_layers)
+        state.ctx.options = dataclasses.replace(state.ctx.options, skip_layers=skip)
+        if skip:
+            state.report.options["skip_layers"] = sorted(skip)
+        model = state.ctx.model
+        return Pipeline(state, *(stage(state) for stage in LOWERING_STAGES))(model).report
 
 
 # ------------------------------------------------------------------------------- driver

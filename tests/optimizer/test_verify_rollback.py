@@ -97,32 +97,41 @@ def test_verify_rolls_back_every_broken_layer():
 
 def test_rollback_search_costs_log_n_runs_and_verifications(monkeypatch):
     """One bad layer among 16: group testing verifies halves, not every layer alone (the
-    per-layer search cost 16 + 2 runs and verifications)."""
+    per-layer search cost 16 + 2 runs and verifications), and each run lowers a copy of one
+    canonicalization."""
     from epfuse.optimizer.verify.runner import Comparator
 
     layers, bad = 16, 11
     original = build_decoder(DecoderConfig(layers=layers, interleaved=True))
     rules = defective_rules({bad})
-    counts = {"runs": 0, "verifications": 0}
-    real_run, real_compare = PassManager.run, Comparator.compare
+    counts = {"canonicalizations": 0, "lowerings": 0, "verifications": 0}
+    real_canonicalize, real_lower = PassManager.canonicalize, PassManager.lower
+    real_compare = Comparator.compare
 
-    def counting_run(self, *args, **kwargs):
+    def counting_canonicalize(self, *args, **kwargs):
         if any(rule is rules_gqa for rule in self.rules):  # the pipeline, not limits' canonical
-            counts["runs"] += 1
-        return real_run(self, *args, **kwargs)
+            counts["canonicalizations"] += 1
+        return real_canonicalize(self, *args, **kwargs)
+
+    def counting_lower(self, *args, **kwargs):
+        if any(rule is rules_gqa for rule in self.rules):
+            counts["lowerings"] += 1
+        return real_lower(self, *args, **kwargs)
 
     def counting_compare(self, **kwargs):
         counts["verifications"] += 1
         return real_compare(self, **kwargs)
 
     rules_gqa = next(r for r in rules if isinstance(r, _FlipInterleaved))
-    monkeypatch.setattr(PassManager, "run", counting_run)
+    monkeypatch.setattr(PassManager, "canonicalize", counting_canonicalize)
+    monkeypatch.setattr(PassManager, "lower", counting_lower)
     monkeypatch.setattr(Comparator, "compare", counting_compare)
     optimized, report = epfuse.optimize_with_report(original, "cpu", verify=True, rules=rules)
     assert [layer.layer for layer in report.layers if not layer.fused] == [bad]
     assert report.layers[bad].codes == [ReasonCode.ROLLED_BACK]
-    # first run + 2 per halving (log2 16 = 4) + the rolled-back run; the same verifications
-    assert counts == {"runs": 1 + 2 * 4 + 1, "verifications": 1 + 2 * 4 + 1}
+    # Canonicalized once; lowered and verified: the first run, 2 per halving (log2 16 = 4),
+    # the rolled-back model.
+    assert counts == {"canonicalizations": 1, "lowerings": 10, "verifications": 10}
     assert compare_models(original, optimized).passed
 
 
@@ -166,17 +175,17 @@ def test_group_testing_rolls_back_a_group_that_fails_only_in_combination():
 def test_verify_raises_when_even_the_canonical_form_fails(monkeypatch):
     original = build_decoder(DecoderConfig(layers=1))
 
-    real_run = PassManager.run
+    real_canonicalize = PassManager.canonicalize
 
     def broken_canonicalization(self, model, ep, dtype, options, **kwargs):
-        report = real_run(self, model, ep, dtype, options, **kwargs)
+        canonical = real_canonicalize(self, model, ep, dtype, options, **kwargs)
         lm_head = model.graph.initializers["lm_head.weight"]
         array = lm_head.const_value.numpy().copy()
         array[0, 0] += 1.0
         lm_head.const_value = ir.tensor(array, name="lm_head.weight")
-        return report
+        return canonical
 
-    monkeypatch.setattr(PassManager, "run", broken_canonicalization)
+    monkeypatch.setattr(PassManager, "canonicalize", broken_canonicalization)
     with pytest.raises(VerificationError, match="even with every lowering rolled back"):
         epfuse.optimize(original, "cpu", verify=True)
 
