@@ -11,9 +11,10 @@ mean the same). K and V must be repeated alike, or nothing is changed.
 
 from __future__ import annotations
 
+import numpy as np
 import onnx_ir as ir
 
-from .._graph import attr, const_ints, dim, input_at, producer, shape_vector
+from .._graph import attr, const_ints, dim, initializer, input_at, producer, shape_vector
 from ..base import Kept, RewriteContext, Rewritten, Rule, Stage
 from ..reasons import ReasonCode
 
@@ -74,6 +75,40 @@ class RemoveRepeatKV(Rule):
                 return Kept(ReasonCode.FORM, got)
         if got_k is None or got_v is None or got_k[1] != got_v[1]:
             return Kept(ReasonCode.FORM, "K and V are not repeated alike")
+        for repeated, (kv, repeats) in ((k, got_k), (v, got_v)):
+            _shapes_from_source(ctx.graph, repeated, kv, repeats)
         node.replace_input_with(1, got_k[0])
         node.replace_input_with(2, got_v[0])
         return Rewritten(f"repeat_kv x{got_k[1]} removed")
+
+
+def _shapes_from_source(graph: ir.Graph, repeated: ir.Value, kv: ir.Value, repeats: int) -> None:
+    """Each ``Shape`` of the repeated K/V reads the source's instead (times ``repeats`` on the
+    head axis): the proof above makes the repeated shape (B, Nkv*r, T, H) of the source's
+    (B, Nkv, T, H). transformers 4.x slices the mask to ``key_states.shape[-2]`` after
+    repeat_kv; left on the repeated value, that Shape would keep repeat_kv alive and, once the
+    KV concat becomes the Attention's present, make the Attention read its own output."""
+    for use in list(repeated.uses()):
+        shape = use.node
+        if (shape.domain, shape.op_type) != ("", "Shape"):
+            continue
+        start, end = attr(shape, "start", 0), attr(shape, "end", 4)
+        start, end = (max(0, min(4, i + 4 if i < 0 else i)) for i in (start, end))
+        heads = start <= 1 < end and repeats != 1
+        out = shape.outputs[0]
+        if heads and out.is_graph_output():
+            continue  # (a graph output would need a new name; no exporter writes this)
+        shape.replace_input_with(0, kv)
+        if not heads:
+            continue
+        factor = np.ones(4, np.int64)
+        factor[1] = repeats
+        const = initializer(graph, f"{shape.name or 'kv'}/repeat/factor", factor[start:end])
+        mul = ir.node("Mul", [out, const], name=f"{shape.name or 'kv'}/repeat/Mul")
+        scaled = mul.outputs[0]
+        scaled.name = f"{mul.name}_out0"
+        scaled.dtype, scaled.shape = ir.DataType.INT64, out.shape
+        for consumer in list(out.uses()):
+            if consumer.node is not mul:
+                consumer.node.replace_input_with(consumer.idx, scaled)
+        graph.insert_after(shape, mul)

@@ -14,7 +14,9 @@ which is exactly ONNX ``Attention(Q, K, V, mask, scale=a*b*c, softcap=...)``. Ch
 anything changes: Q, K, V are rank 4; K^T is K with its last two axes swapped (a
 ``Transpose(perm=[0,1,3,2])`` or torch's ``Reshape(-1,T,H) -> Transpose(0,2,1) ->
 Reshape(B,N,H,T)`` whose targets are proven from ``Shape(K)``); every scale is a constant
-scalar; the softmax runs over the last axis; the mask has the model dtype and rank <= 4.
+scalar, or one computed from constants and static dims (TorchScript's SDPA with
+``scale=None`` writes ``sqrt(1/sqrt(Q.shape[-1]))`` on Q and on K^T); the softmax runs over the
+last axis; the mask has the model dtype and rank <= 4.
 
 The NaN guard only differs from plain softmax on rows whose softmax is NaN. With finite Q/K
 that happens only when a whole row of the mask is -inf, so the guard is accepted only when the
@@ -59,13 +61,54 @@ def _rank(value: ir.Value) -> int | None:
     return None if value.shape is None else len(value.shape)
 
 
+_FOLDABLE = {"Cast", "Sqrt", "Reciprocal", "Div", "Mul", "Add", "Sub"}
+
+
+def _static_scalar(value: ir.Value, depth: int = 0) -> np.ndarray | None:
+    """A one-element array when ``value`` is a constant, or is computed from constants and
+    static dims only (TorchScript's SDPA with ``scale=None`` computes ``1/sqrt(q.shape[-1])``
+    in the graph, from ``Shape(Q)``, and puts its square root on Q and on K). The arithmetic
+    runs in numpy in the graph's dtypes, as ORT would run it."""
+    array = const_array(value)
+    if array is not None:
+        return array if array.size == 1 else None
+    node = value.producer()
+    if node is None or node.domain != "" or depth > 8:
+        return None
+    if node.op_type in ("Shape", "Slice", "Gather", "Squeeze", "Unsqueeze", "Reshape"):
+        dims = shape_vector(value)
+        if dims is None or len(dims) != 1 or not isinstance(dims[0], int):
+            return None
+        return np.array([dims[0]], np.int64)
+    if node.op_type not in _FOLDABLE:
+        return None
+    args = [_static_scalar(v, depth + 1) for v in node.inputs]
+    if any(a is None for a in args):
+        return None
+    if node.op_type == "Cast":
+        return args[0].astype(ir.DataType(attr(node, "to")).numpy())
+    if node.op_type in ("Sqrt", "Reciprocal"):
+        if args[0].dtype.kind != "f":
+            return None
+        return np.sqrt(args[0]) if node.op_type == "Sqrt" else np.reciprocal(args[0])
+    a, b = args
+    if a.dtype != b.dtype or a.dtype.kind != "f" or (node.op_type == "Div" and not b.all()):
+        return None  # integer division and mixed dtypes are not what SDPA's scale does
+    op = {"Div": np.divide, "Mul": np.multiply, "Add": np.add, "Sub": np.subtract}
+    return op[node.op_type](a, b)
+
+
 def _scalar_operand(node: ir.Node) -> tuple[float, ir.Value] | None:
-    """(c, x) when the binary ``node`` has one constant scalar operand c (rank <= 4)."""
+    """(c, x) when the binary ``node`` has one scalar operand c (rank <= 4) that is a
+    constant or computed from constants and static dims (``_static_scalar``)."""
     for a, b in ((0, 1), (1, 0)):
-        array = const_array(node.inputs[b])
+        operand = node.inputs[b]
+        array = (
+            _static_scalar(operand) if operand.shape is None or len(operand.shape) <= 4 else None
+        )
         if array is None or array.size != 1 or array.ndim > 4 or array.dtype.kind != "f":
             continue
-        if node.inputs[a].const_value is None:
+        if node.inputs[a].const_value is None and _static_scalar(node.inputs[a]) is None:
             return float(array.reshape(-1)[0]), node.inputs[a]
     return None
 

@@ -29,7 +29,9 @@ B, NQ, S, T, H = 2, 4, 3, 5, 8
 @dataclasses.dataclass
 class Variant:
     kv_heads: int = 2  # K/V given already repeated to NQ heads unless kv_heads == 1 (MQA)
-    scale_form: str = "split"  # "split" | "scores" | "div" | "none"
+    # "split" | "scores" | "div" | "none" | "shape" (split, computed from Shape(q) in the
+    # graph: TorchScript's SDPA with scale=None, as Optimum's Nemotron/StableLM exports)
+    scale_form: str = "split"
     k_transpose: str = "reshape"  # "reshape" | "perm" | "wrong_perm"
     softcap: float = 0.0
     mask: str = "where"  # "where" (finite Where) | "input" (float graph input) | "none"
@@ -68,6 +70,17 @@ def _graph(v: Variant) -> onnx.ModelProto:
     if v.scale_form == "split":
         q = op("Mul", ["q", const("sq", math.sqrt(scale))], "q_s")
         kt = op("Mul", [kt, "sq"], "kt_s")
+    elif v.scale_form == "shape":
+        i64 = np.int64
+        width = op(
+            "Slice",
+            [op("Shape", ["q"], "qshape"), const("w0", [-1], i64), const("w1", [2**62], i64)],
+            "qwidth",
+        )
+        root = op("Sqrt", [op("Cast", [width], "qwidth_f", to=v.dtype)], "qroot")
+        sq = op("Sqrt", [op("Div", [const("one", [1.0]), root], "qinv")], "sq")
+        q = op("Mul", ["q", sq], "q_s")
+        kt = op("Mul", [kt, sq], "kt_s")
     scores = op("MatMul", [q, kt], "qk")
     if v.scale_form == "scores":
         scores = op("Mul", [scores, const("sc", scale)], "qk_s")
@@ -134,6 +147,7 @@ FUSED = {
     "split-reshape": Variant(),
     "scores-perm": Variant(scale_form="scores", k_transpose="perm"),
     "div-scale": Variant(scale_form="div"),
+    "shape-computed-scale": Variant(scale_form="shape", k_transpose="perm"),
     "unscaled-nomask": Variant(scale_form="none", mask="none"),
     "softcap": Variant(softcap=4.0),
     "mqa": Variant(kv_heads=1),
