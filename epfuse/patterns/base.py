@@ -8,7 +8,13 @@ node of that type; the rule answers with one of three outcomes:
   or this graph; its reason code and message go into the report and the graph is left untouched;
 * :class:`Rewritten` — the graph was changed; a short note goes into the report.
 
-A rule must not modify the graph unless it returns ``Rewritten``: checks come first.
+A rule is three steps the base class drives (``Rule.apply``): ``match(node, ctx)`` finds its
+shape around the anchor and returns a match object (or ``None``, or a ``Kept`` when the shape
+is there but malformed); ``check(match, ctx)`` holds the proofs (EP capabilities, ORT
+evaluations) and returns a ``Kept`` or ``None``; ``rewrite(match, ctx)`` edits the graph and
+returns ``Rewritten``. Only ``rewrite`` may modify the graph: checks come first.
+A rule declares itself in its class header, ``class X(Rule, name=..., stage=..., anchor=...,
+emits=...)``, its docstring's first paragraph being the description the report lists.
 Each lowering rule declares ``emits`` — the capabilities (``epfuse.capabilities.emissions``,
 the one emission table) its output needs of the EP for the model's dtype; ``requires()``
 derives from it, so the pass manager can select rules by capability and say why one was not
@@ -19,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import inspect
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import onnx_ir as ir
@@ -149,16 +156,39 @@ class RewriteContext:
 
 
 class Rule:
-    """Base class of all rewrite rules. Subclasses set the class attributes and ``apply``."""
+    """Base class of all rewrite rules: declared by class keywords, run as match -> check ->
+    rewrite (``apply``)."""
 
     name: ClassVar[str]
     stage: ClassVar[Stage]
     anchor: ClassVar[tuple[str, str]]
-    """(domain, op_type) of the nodes offered to ``apply``; domain "" is ONNX."""
+    """(domain, op_type) of the nodes offered to ``apply``; domain "" is ONNX. Declared as
+    ``anchor="Op"`` for an ONNX op or ``anchor=("domain", "Op")``."""
     description: ClassVar[str] = ""
     emits: ClassVar[tuple[Capability, ...]] = ()
     """Capabilities every output of the rule needs (features it adds only to some nodes, e.g.
-    GQA's softcap, are checked per node in ``apply``)."""
+    GQA's softcap, are checked per node in ``check``)."""
+
+    def __init_subclass__(
+        cls,
+        *,
+        name: str | None = None,
+        stage: Stage | None = None,
+        anchor: str | tuple[str, str] | None = None,
+        emits: tuple[Capability, ...] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init_subclass__(**kwargs)
+        if name is not None:
+            cls.name = name
+        if stage is not None:
+            cls.stage = stage
+        if anchor is not None:
+            cls.anchor = ("", anchor) if isinstance(anchor, str) else tuple(anchor)
+        if emits is not None:
+            cls.emits = tuple(emits)
+        if "description" not in cls.__dict__ and cls.__doc__:
+            cls.description = _first_paragraph(cls.__doc__)
 
     def requires(self, ops: OpSupport, ep: EPCapabilities) -> str | None:
         """None when the EP can take this rule's output for the dtype, else why not."""
@@ -167,5 +197,31 @@ class Rule:
                 return capability.lacking(ep.name)
         return None
 
-    def apply(self, node: ir.Node, ctx: RewriteContext) -> Outcome:
+    def match(self, node: ir.Node, ctx: RewriteContext) -> Any:
+        """The rule's shape around ``node`` (any object ``check`` and ``rewrite`` read), or
+        ``None`` (not its shape), or a ``Kept`` (its shape, but in a form it cannot take)."""
         raise NotImplementedError
+
+    def check(self, match: Any, ctx: RewriteContext) -> Kept | None:
+        """The proofs the rewrite needs (EP record, evaluations on ORT): a ``Kept`` names the
+        one that failed. It may record on the match what it proved (plans, built caches)."""
+        return None
+
+    def rewrite(self, match: Any, ctx: RewriteContext) -> Rewritten:
+        """Edit the graph for a match that passed ``check``."""
+        raise NotImplementedError
+
+    def apply(self, node: ir.Node, ctx: RewriteContext) -> Outcome:
+        """The driver the pass manager calls: match, then check, then rewrite."""
+        found = self.match(node, ctx)
+        if found is None or isinstance(found, Kept):
+            return found
+        kept = self.check(found, ctx)
+        if kept is not None:
+            return kept
+        return self.rewrite(found, ctx)
+
+
+def _first_paragraph(doc: str) -> str:
+    """A docstring's first paragraph on one line (the rule's description)."""
+    return " ".join(inspect.cleandoc(doc).split("\n\n", 1)[0].split())

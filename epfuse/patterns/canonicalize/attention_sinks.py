@@ -30,6 +30,8 @@ guard and ``sigmoid(-inf)`` agree).
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import onnx_ir as ir
 
@@ -91,16 +93,29 @@ def _drops_last_column(node: ir.Node | None) -> bool:
     return starts == [0] and ends == [-1] and axes in ([-1], [3]) and steps == [1]
 
 
-class AttentionSinksToAttention(Rule):
-    name = "attention-sinks-to-attention"
-    stage = Stage.CANONICALIZE
-    anchor = ("", "Softmax")
-    description = (
-        "Softmax over [scores | per-head sink] with the sink column dropped -> "
-        "Attention * Sigmoid(LogSumExp(scores) - sink)"
-    )
+@dataclasses.dataclass
+class _SinkAttention:
+    chain: list[ir.Node]
+    """Softmax, Concat, the column Slice and the P @ V MatMul (then the scores' chain)."""
+    scores_match: AttentionMatch
+    scores: ir.Value
+    column: ir.Value
+    q: ir.Value
+    k: ir.Value
+    v: ir.Value
+    pv: ir.Node
+    heads: list
+    sinks: np.ndarray | None = None
+    """Set by ``check``: the per-head sink logits, proven by evaluation."""
 
-    def apply(self, node: ir.Node, ctx: RewriteContext):
+
+class AttentionSinksToAttention(
+    Rule, name="attention-sinks-to-attention", stage=Stage.CANONICALIZE, anchor="Softmax"
+):
+    """Softmax over [scores | per-head sink] with the sink column dropped ->
+    Attention * Sigmoid(LogSumExp(scores) - sink)"""
+
+    def match(self, node: ir.Node, ctx: RewriteContext):
         if not _last_axis(node):
             return None
         chain: list[ir.Node] = [node]
@@ -133,13 +148,22 @@ class AttentionSinksToAttention(Rule):
         if reason:
             return Kept(ReasonCode.FORM, f"attention sinks: {reason}")
         heads = [axis_size(x) for x in (q, k, v)]
-        sinks = _prove_sinks(ctx, scores, column, v, pv.outputs[0], heads[0], heads[2])
+        return _SinkAttention(chain, m, scores, column, q, k, v, pv, heads)
+
+    def check(self, s: _SinkAttention, ctx: RewriteContext) -> Kept | None:
+        y = s.pv.outputs[0]
+        sinks = _prove_sinks(ctx, s.scores, s.column, s.v, y, s.heads[0], s.heads[2])
         if isinstance(sinks, str):
             return Kept(ReasonCode.NOT_PROVEN, f"attention sinks not proven: {sinks}")
         reason = require_default_opset(ctx.model, 23, ctx.cache)
         if reason:
             return Kept(ReasonCode.OPSET, reason)
+        s.sinks = sinks
+        return None
 
+    def rewrite(self, s: _SinkAttention, ctx: RewriteContext) -> Rewritten:
+        chain, m, q, k, v, pv, heads = s.chain, s.scores_match, s.q, s.k, s.v, s.pv, s.heads
+        sinks = s.sinks
         attributes: dict[str, object] = {"scale": float(m.scale), "qk_matmul_output_mode": 2}
         if m.softcap:
             attributes["softcap"] = float(m.softcap)

@@ -34,21 +34,18 @@ def _split_concat(value: ir.Value) -> tuple[ir.Value, ir.Value, ir.Value] | None
     return past, new, concat.outputs[0]
 
 
-class KVConcatToAttentionPast(Rule):
-    name = "kv-concat-to-attention-past"
-    stage = Stage.CANONICALIZE
-    anchor = ("", "Attention")
-    description = "Concat(past, new) feeding Attention -> Attention past/present"
+class KVConcatToAttentionPast(
+    Rule, name="kv-concat-to-attention-past", stage=Stage.CANONICALIZE, anchor="Attention"
+):
+    """Concat(past, new) feeding Attention -> Attention past/present"""
 
-    def apply(self, node: ir.Node, ctx: RewriteContext):
+    def match(self, node: ir.Node, ctx: RewriteContext):
         if input_at(node, 4) is not None or input_at(node, 5) is not None:
             return None
         k_parts, v_parts = _split_concat(input_at(node, 1)), _split_concat(input_at(node, 2))
         if k_parts is None or v_parts is None:
             return None
-        past_k, new_k, present_k = k_parts
-        past_v, new_v, present_v = v_parts
-        for past in (past_k, past_v):
+        for past in (k_parts[0], v_parts[0]):
             if past.shape is not None and len(past.shape) != 4:
                 return Kept(
                     ReasonCode.SHAPE, "KV cache is not rank 4 (batch, heads, seq, head_size)"
@@ -63,6 +60,12 @@ class KVConcatToAttentionPast(Rule):
                     ReasonCode.SHAPE,
                     "the shape of the concatenated KV cache is read and its rank is unknown",
                 )
+        return node, k_parts, v_parts, qk if qk_used else None
+
+    def rewrite(self, match, ctx: RewriteContext) -> Rewritten:
+        node, k_parts, v_parts, qk = match
+        qk_used = qk is not None
+        (past_k, new_k, present_k), (past_v, new_v, present_v) = k_parts, v_parts
         inputs = [node.inputs[0], new_k, new_v, input_at(node, 3), past_k, past_v]
         fused = ir.node(
             "Attention",

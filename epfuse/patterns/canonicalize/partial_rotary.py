@@ -41,13 +41,12 @@ def _slice_range(node: ir.Node, head_size: int) -> tuple[ir.Value, int, int] | N
     return node.inputs[0], max(0, min(start, head_size)), max(0, min(end, head_size))
 
 
-class PartialRotaryToRotaryDim(Rule):
-    name = "partial-rotary-to-rotary-dim"
-    stage = Stage.CANONICALIZE
-    anchor = ("", "Concat")
-    description = "Concat(RotaryEmbedding(x[..., :R]), x[..., R:]) -> rotary_embedding_dim=R"
+class PartialRotaryToRotaryDim(
+    Rule, name="partial-rotary-to-rotary-dim", stage=Stage.CANONICALIZE, anchor="Concat"
+):
+    """Concat(RotaryEmbedding(x[..., :R]), x[..., R:]) -> rotary_embedding_dim=R"""
 
-    def apply(self, node: ir.Node, ctx: RewriteContext):
+    def match(self, node: ir.Node, ctx: RewriteContext):
         if len(node.inputs) != 2 or attr(node, "axis") not in (-1, 3):
             return None
         rotated, passed = node.inputs
@@ -77,6 +76,11 @@ class PartialRotaryToRotaryDim(Rule):
             )
         if attr(rope, "rotary_embedding_dim", 0):
             return Kept(ReasonCode.FORM, "the sliced RotaryEmbedding is itself partial")
+        return node, rope, x, rotary_dim, head_size
+
+    def rewrite(self, match, ctx: RewriteContext) -> Rewritten:
+        node, rope, x, rotary_dim, head_size = match
+        rotated = node.inputs[0]
         attributes = {
             "interleaved": int(attr(rope, "interleaved", 0)),
             "rotary_embedding_dim": rotary_dim,

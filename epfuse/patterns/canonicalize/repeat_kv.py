@@ -57,13 +57,10 @@ def _unrepeat(value: ir.Value) -> tuple[ir.Value, int] | str | None:
     return kv, repeats
 
 
-class RemoveRepeatKV(Rule):
-    name = "remove-repeat-kv"
-    stage = Stage.CANONICALIZE
-    anchor = ("", "Attention")
-    description = "K/V repeated to the query head count -> grouped KV heads in Attention"
+class RemoveRepeatKV(Rule, name="remove-repeat-kv", stage=Stage.CANONICALIZE, anchor="Attention"):
+    """K/V repeated to the query head count -> grouped KV heads in Attention"""
 
-    def apply(self, node: ir.Node, ctx: RewriteContext):
+    def match(self, node: ir.Node, ctx: RewriteContext):
         k, v = input_at(node, 1), input_at(node, 2)
         if k is None or v is None or input_at(node, 4) is not None:
             return None
@@ -75,6 +72,11 @@ class RemoveRepeatKV(Rule):
                 return Kept(ReasonCode.FORM, got)
         if got_k is None or got_v is None or got_k[1] != got_v[1]:
             return Kept(ReasonCode.FORM, "K and V are not repeated alike")
+        return node, got_k, got_v
+
+    def rewrite(self, match, ctx: RewriteContext) -> Rewritten:
+        node, got_k, got_v = match
+        k, v = node.inputs[1], node.inputs[2]
         for repeated, (kv, repeats) in ((k, got_k), (v, got_v)):
             _shapes_from_source(ctx.graph, repeated, kv, repeats)
         node.replace_input_with(1, got_k[0])

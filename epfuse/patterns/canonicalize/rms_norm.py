@@ -25,6 +25,8 @@ only (rank <= 1, or leading dims of 1).
 
 from __future__ import annotations
 
+import dataclasses
+
 import onnx_ir as ir
 
 from .._graph import (
@@ -53,13 +55,27 @@ def _other(node: ir.Node, value: ir.Value) -> ir.Value | None:
     return None
 
 
-class DecomposedRMSNormToRMSNormalization(Rule):
-    name = "decomposed-rmsnorm-to-rmsnormalization"
-    stage = Stage.CANONICALIZE
-    anchor = ("", "ReduceMean")
-    description = "Pow/ReduceMean/Add/Sqrt/Reciprocal/Mul RMSNorm -> RMSNormalization"
+@dataclasses.dataclass
+class _RMSNorm:
+    chain: list[ir.Node]
+    """The matched nodes, the anchor first (removed once dead)."""
+    x: ir.Value
+    weight: ir.Value
+    weight_mul: ir.Node
+    eps: float
+    upcast: ir.Node | None
+    """The Cast to float32 in front of the chain, when the norm runs on the cast input."""
 
-    def apply(self, node: ir.Node, ctx: RewriteContext):
+
+class DecomposedRMSNormToRMSNormalization(
+    Rule,
+    name="decomposed-rmsnorm-to-rmsnormalization",
+    stage=Stage.CANONICALIZE,
+    anchor="ReduceMean",
+):
+    """Pow/ReduceMean/Add/Sqrt/Reciprocal/Mul RMSNorm -> RMSNormalization"""
+
+    def match(self, node: ir.Node, ctx: RewriteContext):
         chain: list[ir.Node] = [node]
         square = node.inputs[0].producer() if node.inputs[0] is not None else None
         if square is None or square.domain != "":
@@ -133,9 +149,14 @@ class DecomposedRMSNormToRMSNormalization(Rule):
         if reason:
             return Kept(ReasonCode.SHAPE, reason)
         chain.append(weight_mul)
+        return _RMSNorm(chain, x, weight, weight_mul, eps, upcast if x is not xf else None)
+
+    def check(self, m: _RMSNorm, ctx: RewriteContext) -> Kept | None:
         reason = require_default_opset(ctx.model, 23, ctx.cache)
-        if reason:
-            return Kept(ReasonCode.OPSET, reason)
+        return Kept(ReasonCode.OPSET, reason) if reason else None
+
+    def rewrite(self, m: _RMSNorm, ctx: RewriteContext) -> Rewritten:
+        x, weight, weight_mul, eps = m.x, m.weight, m.weight_mul, m.eps
         fused = ir.node(
             "RMSNormalization",
             [x, weight],
@@ -148,7 +169,7 @@ class DecomposedRMSNormToRMSNormalization(Rule):
         if old.name and not old.is_graph_output():
             y.name, old.name = old.name, None
         replace_value(old, y)
-        remove_dead(ctx.graph, list(reversed(chain)) + ([upcast] if x is not xf else []))
+        remove_dead(ctx.graph, list(reversed(m.chain)) + ([m.upcast] if m.upcast else []))
         return Rewritten(f"RMSNorm eps {eps:g} -> RMSNormalization")
 
 

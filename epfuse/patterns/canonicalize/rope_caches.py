@@ -19,6 +19,8 @@ rotated by duplicated cos/sin subgraphs.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import onnx_ir as ir
 
@@ -187,15 +189,26 @@ def _matmul_freqs(matmul: ir.Node):
     return positions, inv_freq.reshape(-1)
 
 
-class RopeCosSinToCaches(Rule):
-    name = "rope-cos-sin-to-caches"
-    stage = Stage.CANONICALIZE
-    anchor = ("", "RotaryEmbedding")
-    description = (
-        "run-time cos/sin from position_ids x inv_freq -> constant (max_seq_len, R/2) caches"
-    )
+@dataclasses.dataclass
+class _RunTimeRope:
+    node: ir.Node
+    positions: ir.Value
+    inv_freq: np.ndarray | None
+    scale: float
+    switch: tuple | None = None
+    """LongRoPE: (positions, condition, inv_freq when true, when false) instead of inv_freq."""
+    caches: tuple[ir.Value, ir.Value] | None = None
+    """Set by ``check``: the constant caches proven equal to the run-time cos/sin."""
+    described: str = ""
+    """Set by ``check`` for a switch: what the two cache pairs are."""
 
-    def apply(self, node: ir.Node, ctx: RewriteContext):
+
+class RopeCosSinToCaches(
+    Rule, name="rope-cos-sin-to-caches", stage=Stage.CANONICALIZE, anchor="RotaryEmbedding"
+):
+    """run-time cos/sin from position_ids x inv_freq -> constant (max_seq_len, R/2) caches"""
+
+    def match(self, node: ir.Node, ctx: RewriteContext):
         if input_at(node, 3) is not None:
             return None  # already the cache form
         x, cos, sin = node.inputs[0], input_at(node, 1), input_at(node, 2)
@@ -211,7 +224,7 @@ class RopeCosSinToCaches(Rule):
         if traced is None:
             switch = _trace_switched(freqs_c)
             if switch is not None:  # LongRoPE: two frequency sets, chosen at run time
-                return _switched_rewrite(ctx, node, switch, freqs_s, scale_c, cos, sin)
+                return _switched_match(node, switch, freqs_s, scale_c)
         if traced is None or _trace_freqs(freqs_s) is None:
             return Kept(
                 ReasonCode.FORM, "cos/sin are computed from positions in a form not recognized"
@@ -219,17 +232,35 @@ class RopeCosSinToCaches(Rule):
         positions, inv_freq = traced
         if _trace_freqs(freqs_s)[0] is not positions:
             return Kept(ReasonCode.FORM, "cos and sin read different positions")
-        dtype = x.dtype
-        if dtype is None:
+        if x.dtype is None:
             return Kept(ReasonCode.DTYPE, "the rotated input has no known dtype")
-        caches = _caches(ctx, inv_freq, scale_c, dtype, node, cos, sin, positions)
-        if isinstance(caches, str):
-            return Kept(ReasonCode.NOT_PROVEN, caches)
-        cos_cache, sin_cache = caches
+        return _RunTimeRope(node, positions, inv_freq, scale_c)
+
+    def check(self, m: _RunTimeRope, ctx: RewriteContext) -> Kept | None:
+        node = m.node
+        x, cos, sin = node.inputs[0], node.inputs[1], node.inputs[2]
+        if m.switch is not None:
+            built = _switched_caches(ctx, node, m.switch, m.scale, x.dtype, cos, sin)
+            if isinstance(built, str):
+                return Kept(ReasonCode.NOT_PROVEN, built)
+            *caches, m.described = built
+        else:
+            caches = _caches(ctx, m.inv_freq, m.scale, x.dtype, node, cos, sin, m.positions)
+            if isinstance(caches, str):
+                return Kept(ReasonCode.NOT_PROVEN, caches)
+        m.caches = tuple(caches)
+        return None
+
+    def rewrite(self, m: _RunTimeRope, ctx: RewriteContext) -> Rewritten:
+        node, positions = m.node, m.positions
+        cos_cache, sin_cache = m.caches
         node.replace_input_with(1, cos_cache)
         node.replace_input_with(2, sin_cache)
         node.resize_inputs(4)
         node.replace_input_with(3, positions)
+        if m.switch is not None:
+            rows = cos_cache.shape[0]
+            return Rewritten(f"LongRoPE: two cos/sin caches of {rows} positions, {m.described}")
         return Rewritten(f"cos/sin caches of {cos_cache.shape[0]} positions")
 
 
@@ -618,25 +649,16 @@ def _trace_switched(freqs: ir.Value):
     return None
 
 
-def _switched_rewrite(ctx, node: ir.Node, switch, freqs_s, scale, cos, sin):
+def _switched_match(node: ir.Node, switch, freqs_s, scale) -> _RunTimeRope | Kept:
     positions, cond, when_true, when_false = switch
     other = _trace_switched(freqs_s)
     if other is None or other[0] is not positions or other[1] is not cond:
         return Kept(ReasonCode.FORM, "cos and sin switch their frequencies differently")
     if not (np.array_equal(other[2], when_true) and np.array_equal(other[3], when_false)):
         return Kept(ReasonCode.FORM, "cos and sin switch between different frequencies")
-    dtype = node.inputs[0].dtype
-    if dtype is None:
+    if node.inputs[0].dtype is None:
         return Kept(ReasonCode.DTYPE, "the rotated input has no known dtype")
-    built = _switched_caches(ctx, node, switch, scale, dtype, cos, sin)
-    if isinstance(built, str):
-        return Kept(ReasonCode.NOT_PROVEN, built)
-    cos_cache, sin_cache, described = built
-    node.replace_input_with(1, cos_cache)
-    node.replace_input_with(2, sin_cache)
-    node.resize_inputs(4)
-    node.replace_input_with(3, positions)
-    return Rewritten(f"LongRoPE: two cos/sin caches of {cos_cache.shape[0]} positions, {described}")
+    return _RunTimeRope(node, positions, None, scale, switch=switch)
 
 
 def _switched_caches(ctx, node, switch, scale, dtype, cos, sin):

@@ -49,6 +49,8 @@ applied before the head transpose), and rotations written in other orders.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import onnx_ir as ir
 
@@ -559,13 +561,33 @@ def _proven_full_rope(ctx, node, x, cos_full, sin_full, interleaved, why: str) -
     return rope
 
 
-class RotateHalfToRotaryEmbedding(Rule):
-    name = "rotate-half-to-rotary-embedding"
-    stage = Stage.CANONICALIZE
-    anchor = ("", "Add")
-    description = "x*cos + rotate_half(x)*sin -> ONNX RotaryEmbedding (opset 23)"
+@dataclasses.dataclass
+class _RotateHalf:
+    node: ir.Node
+    x: ir.Value
+    """The rotated input (the sliced part of ``source`` for a partial rotation)."""
+    cos_full: ir.Value
+    sin_full: ir.Value
+    interleaved: bool
+    halves: bool
+    """GLM / Ernie 4.5: the pairs repeat the first half of a rotate-half cos/sin."""
+    width: int | None
+    source: ir.Value
+    """What the RotaryEmbedding reads: ``x``, or the whole head for a partial rotation."""
+    target: ir.Value
+    """The value the RotaryEmbedding's output replaces."""
+    chain: list[ir.Node]
+    attributes: dict[str, int]
+    rope: ir.Node | None = None
+    """Set by ``check``: the proven RotaryEmbedding (not yet in the graph)."""
 
-    def apply(self, node: ir.Node, ctx: RewriteContext):
+
+class RotateHalfToRotaryEmbedding(
+    Rule, name="rotate-half-to-rotary-embedding", stage=Stage.CANONICALIZE, anchor="Add"
+):
+    """x*cos + rotate_half(x)*sin -> ONNX RotaryEmbedding (opset 23)"""
+
+    def match(self, node: ir.Node, ctx: RewriteContext):
         matched = self._match(node)
         if matched is None:
             return None
@@ -578,9 +600,6 @@ class RotateHalfToRotaryEmbedding(Rule):
         partial = self._partial(node, x)
         if any(c.dtype not in (None, x.dtype) for c in (cos_full, sin_full)):
             return Kept(ReasonCode.DTYPE, "cos/sin do not have the dtype of the rotated input")
-        known = ctx.cache.get(("default-opset", 23), None)
-        if known:  # the opset cannot be raised: no need to prove anything
-            return Kept(ReasonCode.OPSET, known)
         attributes = {"interleaved": int(interleaved)}
         target = node.outputs[0]
         source = x
@@ -590,20 +609,45 @@ class RotateHalfToRotaryEmbedding(Rule):
                 attributes["rotary_embedding_dim"] = width
             chain = [concat, *chain, x.producer(), tail]
             target = concat.outputs[0]
-        rope = self._structural(ctx, node, x, cos_full, sin_full, interleaved, halves)
-        if isinstance(rope, str) and halves:
+        return _RotateHalf(
+            node,
+            x,
+            cos_full,
+            sin_full,
+            interleaved,
+            halves,
+            width,
+            source,
+            target,
+            chain,
+            attributes,
+        )
+
+    def check(self, m: _RotateHalf, ctx: RewriteContext) -> Kept | None:
+        known = ctx.cache.get(("default-opset", 23), None)
+        if known:  # the opset cannot be raised: no need to prove anything
+            return Kept(ReasonCode.OPSET, known)
+        node, x, interleaved = m.node, m.x, m.interleaved
+        rope = self._structural(ctx, node, x, m.cos_full, m.sin_full, interleaved, m.halves)
+        if isinstance(rope, str) and m.halves:
             # the rotation reads only the first half of cos/sin: the evaluated proof of the
             # full-width (pairwise repeated) cos/sin does not apply.
             return Kept(ReasonCode.NOT_PROVEN, rope)
         if isinstance(rope, str):
             # Not provably [c, c] by structure (or its batch is not the input's): evaluate
             # the full-width cos/sin instead, against caches read at the position_ids.
-            rope = _proven_full_rope(ctx, node, x, cos_full, sin_full, interleaved, rope)
+            rope = _proven_full_rope(ctx, node, x, m.cos_full, m.sin_full, interleaved, rope)
             if isinstance(rope, str):
                 return Kept(ReasonCode.NOT_PROVEN, rope)
         reason = require_default_opset(ctx.model, 23, ctx.cache)
         if reason:
             return Kept(ReasonCode.OPSET, reason)
+        m.rope = rope
+        return None
+
+    def rewrite(self, m: _RotateHalf, ctx: RewriteContext) -> Rewritten:
+        node, x, rope, target, interleaved = m.node, m.x, m.rope, m.target, m.interleaved
+        source, chain, attributes, width = m.source, m.chain, m.attributes, m.width
         positions = input_at(rope, 3)
         if positions is not None and not per_token(positions, x):
             rope.replace_input_with(3, _expanded_positions(ctx, node, positions, x))

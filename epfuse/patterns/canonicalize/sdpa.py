@@ -341,13 +341,24 @@ def _parse_scores(scores: ir.Value, m: AttentionMatch) -> tuple[ir.Value, ir.Val
     return q, k
 
 
-class DecomposedAttentionToAttention(Rule):
-    name = "decomposed-attention-to-attention"
-    stage = Stage.CANONICALIZE
-    anchor = ("", "Softmax")
-    description = "MatMul/scale/mask/Softmax/MatMul attention -> ONNX Attention (opset 23)"
+@dataclasses.dataclass
+class _Decomposed:
+    scores_match: AttentionMatch
+    q: ir.Value
+    k: ir.Value
+    v: ir.Value
+    pv: ir.Node
+    guarded: bool
+    """A softmax NaN guard ``Where(IsNaN(P), 0, P)`` was stripped (``check`` proves it inert)."""
+    guard_plan: _InertGuardPlan | None = None
 
-    def apply(self, node: ir.Node, ctx: RewriteContext):
+
+class DecomposedAttentionToAttention(
+    Rule, name="decomposed-attention-to-attention", stage=Stage.CANONICALIZE, anchor="Softmax"
+):
+    """MatMul/scale/mask/Softmax/MatMul attention -> ONNX Attention (opset 23)"""
+
+    def match(self, node: ir.Node, ctx: RewriteContext):
         m = AttentionMatch()
         m.chain.append(node)
         probs = node.outputs[0]
@@ -386,16 +397,23 @@ class DecomposedAttentionToAttention(Rule):
         reason = self._check(node, q, k, v, m)
         if reason:
             return Kept(ReasonCode.FORM, reason)
-        guard_plan = None
-        if guarded and m.mask is not None and not _proven_finite(m.mask):
-            guard_plan = _plan_inert_guard(m.mask, k, ctx)
+        return _Decomposed(m, q, k, v, pv, guarded)
+
+    def check(self, d: _Decomposed, ctx: RewriteContext) -> Kept | None:
+        mask = d.scores_match.mask
+        if d.guarded and mask is not None and not _proven_finite(mask):
+            guard_plan = _plan_inert_guard(mask, d.k, ctx)
             if isinstance(guard_plan, str):
                 return Kept(ReasonCode.NOT_PROVEN, f"the softmax NaN guard is kept: {guard_plan}")
-        heads = [axis_size(x) for x in (q, k, v)]
+            d.guard_plan = guard_plan
         reason = require_default_opset(ctx.model, 23, ctx.cache)
         if reason:
             return Kept(ReasonCode.OPSET, reason)
+        return None
 
+    def rewrite(self, d: _Decomposed, ctx: RewriteContext) -> Rewritten:
+        m, q, k, v, pv, guard_plan = d.scores_match, d.q, d.k, d.v, d.pv, d.guard_plan
+        heads = [axis_size(x) for x in (q, k, v)]
         if guard_plan is not None:
             m.mask = guard_plan.build(ctx)
         attributes: dict[str, object] = {"scale": float(m.scale)}

@@ -18,18 +18,21 @@ from ..base import RewriteContext, Rewritten, Rule, Stage
 _SAME_SHAPE = frozenset({"RotaryEmbedding", "RMSNormalization"})
 
 
-class ShapeOfSameShapeOp(Rule):
-    name = "shape-of-same-shape-op"
-    stage = Stage.CANONICALIZE
-    anchor = ("", "Shape")
-    description = "Shape(RotaryEmbedding(x)) / Shape(RMSNormalization(x)) -> Shape(x)"
+class ShapeOfSameShapeOp(
+    Rule, name="shape-of-same-shape-op", stage=Stage.CANONICALIZE, anchor="Shape"
+):
+    """Shape(RotaryEmbedding(x)) / Shape(RMSNormalization(x)) -> Shape(x)"""
 
-    def apply(self, node: ir.Node, ctx: RewriteContext):
+    def match(self, node: ir.Node, ctx: RewriteContext) -> tuple[ir.Node, ir.Node] | None:
         source = node.inputs[0]
         op = source.producer() if source is not None else None
         if op is None or op.domain != "" or op.op_type not in _SAME_SHAPE:
             return None
         if source is not op.outputs[0] or op.inputs[0] is None:
             return None
+        return node, op
+
+    def rewrite(self, match: tuple[ir.Node, ir.Node], ctx: RewriteContext) -> Rewritten:
+        node, op = match
         node.replace_input_with(0, op.inputs[0])
         return Rewritten(f"reads the shape of {op.op_type}'s input")

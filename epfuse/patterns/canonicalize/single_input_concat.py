@@ -15,18 +15,19 @@ import onnx_ir as ir
 from ..base import RewriteContext, Rewritten, Rule, Stage
 
 
-class SingleInputConcat(Rule):
-    name = "single-input-concat"
-    stage = Stage.CANONICALIZE
-    anchor = ("", "Concat")
-    description = "Concat(x) -> x"
+class SingleInputConcat(
+    Rule, name="single-input-concat", stage=Stage.CANONICALIZE, anchor="Concat"
+):
+    """Concat(x) -> x"""
 
-    def apply(self, node: ir.Node, ctx: RewriteContext):
+    def match(self, node: ir.Node, ctx: RewriteContext) -> ir.Node | None:
         if len(node.inputs) != 1 or node.inputs[0] is None:
             return None
-        out = node.outputs[0]
-        if out.is_graph_output():  # its name is part of the model's signature: leave it
+        if node.outputs[0].is_graph_output():  # its name is part of the model's signature
             return None
-        out.replace_all_uses_with(node.inputs[0])
+        return node
+
+    def rewrite(self, node: ir.Node, ctx: RewriteContext) -> Rewritten:
+        node.outputs[0].replace_all_uses_with(node.inputs[0])
         ctx.graph.remove(node, safe=True)
         return Rewritten("a one-input Concat is its input")

@@ -18,6 +18,8 @@ proven cache rows of the (batch, seq) positions, as in ``rotate_half``.
 
 from __future__ import annotations
 
+import dataclasses
+
 import onnx_ir as ir
 
 from .._graph import attr, const_ints, input_at, producer, remove_dead, replace_value
@@ -82,13 +84,23 @@ def _halves(x1: ir.Value, x2: ir.Value) -> tuple[ir.Node, ir.Value] | None:
     return split, x
 
 
-class SplitHalvesToRotaryEmbedding(Rule):
-    name = "split-halves-to-rotary-embedding"
-    stage = Stage.CANONICALIZE
-    anchor = ("", "Concat")
-    description = "Concat(x1*c - x2*s, x2*c + x1*s) over Split(x) -> ONNX RotaryEmbedding"
+@dataclasses.dataclass
+class _SplitHalves:
+    node: ir.Node
+    x: ir.Value
+    cos: ir.Value
+    sin: ir.Value
+    chain: list[ir.Node]
+    rope: ir.Node | None = None
+    """Set by ``check``: the RotaryEmbedding, its cos/sin proven per token (not in the graph)."""
 
-    def apply(self, node: ir.Node, ctx: RewriteContext):
+
+class SplitHalvesToRotaryEmbedding(
+    Rule, name="split-halves-to-rotary-embedding", stage=Stage.CANONICALIZE, anchor="Concat"
+):
+    """Concat(x1*c - x2*s, x2*c + x1*s) over Split(x) -> ONNX RotaryEmbedding"""
+
+    def match(self, node: ir.Node, ctx: RewriteContext):
         if len(node.inputs) != 2 or attr(node, "axis") not in (-1, 3):
             return None
         sub, add = producer(node.inputs[0], "Sub"), producer(node.inputs[1], "Add")
@@ -134,22 +146,31 @@ class SplitHalvesToRotaryEmbedding(Rule):
                 return Kept(
                     ReasonCode.SHAPE, "split-halves RoPE: cos/sin are not half the head size wide"
                 )
+        return _SplitHalves(node, x, cos, sin, chain)
+
+    def check(self, m: _SplitHalves, ctx: RewriteContext) -> Kept | None:
         reason = require_default_opset(ctx.model, 23, ctx.cache)
         if reason:
             return Kept(ReasonCode.OPSET, reason)
-        rope = ir.node(
+        x, cos, sin = m.x, m.cos, m.sin
+        rope = ir.node(  # not in the graph until rewrite
             "RotaryEmbedding",
             [x, cos, sin],
             {"interleaved": 0},
-            name=f"{node.name or 'rope'}/RotaryEmbedding",
+            name=f"{m.node.name or 'rope'}/RotaryEmbedding",
         )
         if not (per_token(cos, x) and per_token(sin, x)):
-            why = to_position_caches(ctx, rope, x)
+            why = to_position_caches(ctx, rope, x)  # proven by evaluation, on rope's inputs
             if why:
                 return Kept(
                     ReasonCode.SHAPE,
                     f"split-halves RoPE: cos/sin are not (batch, seq) of the input ({why})",
                 )
+        m.rope = rope
+        return None
+
+    def rewrite(self, m: _SplitHalves, ctx: RewriteContext) -> Rewritten:
+        node, rope, chain = m.node, m.rope, m.chain
         ctx.graph.insert_before(node, rope)
         out, target = rope.outputs[0], node.outputs[0]
         out.shape, out.type = target.shape, target.type

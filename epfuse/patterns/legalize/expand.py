@@ -20,11 +20,10 @@ from ._common import missing, why
 from ._expand import expand, function_body
 
 
-class _ExpandToPrimitives(Rule):
-    stage = Stage.LEGALIZE
+class _ExpandToPrimitives(Rule, stage=Stage.LEGALIZE):
     layer_result: ClassVar[str | None] = None
 
-    def apply(self, node: ir.Node, ctx: RewriteContext):
+    def match(self, node: ir.Node, ctx: RewriteContext):
         flags = missing(node, ctx)
         if not flags:
             return None
@@ -34,6 +33,10 @@ class _ExpandToPrimitives(Rule):
             return Kept(
                 ReasonCode.EP_UNSUPPORTED, f"{why(node, ctx, flags)}; cannot expand it: {body}"
             )
+        return node, flags, body
+
+    def rewrite(self, match, ctx: RewriteContext) -> Rewritten:
+        node, flags, body = match
         count = expand(node, ctx.graph, body)
         note = (
             f"{why(node, ctx, flags)}: expanded to its ONNX function body ({count} primitive ops)"
@@ -43,22 +46,21 @@ class _ExpandToPrimitives(Rule):
         return Rewritten(note, layer_result=self.layer_result, fused=False)
 
 
-class ExpandAttention(_ExpandToPrimitives):
-    name = "legalize-attention-to-primitives"
-    anchor = ("", "Attention")
-    description = "ONNX Attention the EP does not take -> MatMul/Softmax/... (its function body)"
+class ExpandAttention(
+    _ExpandToPrimitives, name="legalize-attention-to-primitives", anchor="Attention"
+):
+    """ONNX Attention the EP does not take -> MatMul/Softmax/... (its function body)"""
+
     layer_result = "Attention expanded to primitive ops"
 
 
-class ExpandRotaryEmbedding(_ExpandToPrimitives):
-    name = "legalize-rotary-embedding-to-primitives"
-    anchor = ("", "RotaryEmbedding")
-    description = "ONNX RotaryEmbedding the EP does not take -> Slice/Mul/Add (its function body)"
+class ExpandRotaryEmbedding(
+    _ExpandToPrimitives, name="legalize-rotary-embedding-to-primitives", anchor="RotaryEmbedding"
+):
+    """ONNX RotaryEmbedding the EP does not take -> Slice/Mul/Add (its function body)"""
 
 
-class ExpandRMSNormalization(_ExpandToPrimitives):
-    name = "legalize-rms-norm-to-primitives"
-    anchor = ("", "RMSNormalization")
-    description = (
-        "ONNX RMSNormalization the EP does not take -> ReduceMean/Sqrt/... (function body)"
-    )
+class ExpandRMSNormalization(
+    _ExpandToPrimitives, name="legalize-rms-norm-to-primitives", anchor="RMSNormalization"
+):
+    """ONNX RMSNormalization the EP does not take -> ReduceMean/Sqrt/... (function body)"""

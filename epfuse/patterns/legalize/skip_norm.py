@@ -23,13 +23,15 @@ from ._common import missing, why
 _CONTRIB_DEFAULT_EPS = 1e-12
 
 
-class SkipSimplifiedToAddRMSNorm(Rule):
-    stage = Stage.LEGALIZE
-    name = "legalize-skip-simplified-layer-norm"
-    anchor = ("com.microsoft", "SkipSimplifiedLayerNormalization")
-    description = "SkipSimplifiedLayerNormalization the EP does not take -> Add + RMSNormalization"
+class SkipSimplifiedToAddRMSNorm(
+    Rule,
+    name="legalize-skip-simplified-layer-norm",
+    stage=Stage.LEGALIZE,
+    anchor=("com.microsoft", "SkipSimplifiedLayerNormalization"),
+):
+    """SkipSimplifiedLayerNormalization the EP does not take -> Add + RMSNormalization"""
 
-    def apply(self, node: ir.Node, ctx: RewriteContext):
+    def match(self, node: ir.Node, ctx: RewriteContext):
         flags = missing(node, ctx)
         if not flags:
             return None
@@ -46,9 +48,18 @@ class SkipSimplifiedToAddRMSNorm(Rule):
                 f"{reason}; RMSNormalization needs opset 23 (the model has {opset})",
             )
         x, skip, gamma = node.inputs[0], input_at(node, 1), input_at(node, 2)
-        bias = input_at(node, 3)
         if x is None or skip is None or gamma is None:
             return Kept(ReasonCode.FORM, f"{reason}; an input is missing")
+        return node, reason
+
+    def rewrite(self, match, ctx: RewriteContext) -> Rewritten:
+        node, reason = match
+        x, skip, gamma, bias = (
+            node.inputs[0],
+            input_at(node, 1),
+            input_at(node, 2),
+            input_at(node, 3),
+        )
         base = node.name or "SkipSimplifiedLayerNormalization"
         add = ir.node("Add", [x, skip], name=f"{base}/Add")
         ctx.graph.insert_before(node, add)

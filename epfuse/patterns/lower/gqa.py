@@ -27,6 +27,7 @@ position streams) always keep the rotation outside.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -44,14 +45,14 @@ from .._graph import (
     replace_value,
 )
 from .._layout import bsd_consumer, from_bsd, to_bsd
-from ..analysis.head_counts import attention_heads
+from ..analysis.head_counts import HeadCounts, attention_heads
 from ..analysis.switched_caches import switched_cache
 from ..base import AttentionFacts, Kept, RewriteContext, Rewritten, Rule, Stage
 from ..canonicalize.rope_caches import evaluated_equal
 from ..canonicalize.rotate_half import RotateHalfToRotaryEmbedding
 from ..mask_analysis import ProvenMask, analyze_mask
 from ..reasons import ReasonCode
-from .attention_sink import match_sink, qk_used
+from .attention_sink import SinkPlan, match_sink, qk_used
 from .mrope import is_streams, mrope_positions, unproven_reason
 
 _MROPE_REASON = "3-D mRoPE positions ({how}): fused rotary takes one position per token"
@@ -93,21 +94,25 @@ class _Rope:
         return evaluated_equal(ctx, [self.cos, self.sin], [other.cos, other.sin])
 
 
-class AttentionToGQA(Rule):
-    name = "attention-to-gqa"
-    stage = Stage.LOWER
-    anchor = ("", "Attention")
-    description = "Attention (+RoPE, KV cache, causal+padding mask) -> GroupQueryAttention"
-    emits = (Capability.GQA,)
+@dataclasses.dataclass
+class _GQAMatch:
+    node: ir.Node
+    heads: HeadCounts
+    sink: SinkPlan | None
+    softcap: float
+    mask: ProvenMask | None = None
+    """Set by ``check``: the mask proven causal + padding (+ window)."""
+    rope_plan: _RopePlan | None = None
+    """Set by ``check``: whether the rotation moves into GQA, and why not."""
 
-    def apply(self, node: ir.Node, ctx: RewriteContext):
-        gqa_caps = ctx.ops.gqa
-        if gqa_caps is None:
-            return Kept(
-                ReasonCode.EP_UNSUPPORTED,
-                f"{ctx.ep.name} has no GroupQueryAttention for {ctx.dtype}",
-            )
-        q, k, v = node.inputs[0], input_at(node, 1), input_at(node, 2)
+
+class AttentionToGQA(
+    Rule, name="attention-to-gqa", stage=Stage.LOWER, anchor="Attention", emits=(Capability.GQA,)
+):
+    """Attention (+RoPE, KV cache, causal+padding mask) -> GroupQueryAttention"""
+
+    def match(self, node: ir.Node, ctx: RewriteContext):
+        k, v = input_at(node, 1), input_at(node, 2)
         past_k, past_v = input_at(node, 4), input_at(node, 5)
         if k is None or v is None or (past_k is None) != (past_v is None):
             return Kept(ReasonCode.FORM, "Attention inputs are not Q, K, V with a matching past")
@@ -126,26 +131,34 @@ class AttentionToGQA(Rule):
         heads = attention_heads(node, ctx.cache)
         if isinstance(heads, str):
             return Kept(ReasonCode.HEADS, heads)
-        num_heads, kv_heads = heads.q_heads, heads.kv_heads
-        head_size, rank = heads.head_size, heads.layout_rank
-        sink = match_sink(node, num_heads) if qk_used(node) else None
+        sink = match_sink(node, heads.q_heads) if qk_used(node) else None
         if isinstance(sink, str):
             return Kept(ReasonCode.FORM, sink)
-        if sink is not None and not gqa_caps.head_sink:
+        if heads.q_heads % heads.kv_heads:
+            return Kept(ReasonCode.HEADS, "query heads are not a multiple of KV heads")
+        softcap = float(attr(node, "softcap", 0.0) or 0.0)
+        return _GQAMatch(node, heads, sink, softcap)
+
+    def check(self, m: _GQAMatch, ctx: RewriteContext) -> Kept | None:
+        gqa_caps = ctx.ops.gqa
+        if gqa_caps is None:
+            return Kept(
+                ReasonCode.EP_UNSUPPORTED,
+                f"{ctx.ep.name} has no GroupQueryAttention for {ctx.dtype}",
+            )
+        node, head_size, softcap = m.node, m.heads.head_size, m.softcap
+        if m.sink is not None and not gqa_caps.head_sink:
             return Kept(
                 ReasonCode.EP_UNSUPPORTED,
                 f"{ctx.ep.name}'s GroupQueryAttention has no head_sink: the attention sinks "
                 "stay in the standard Attention form",
             )
-        if num_heads % kv_heads:
-            return Kept(ReasonCode.HEADS, "query heads are not a multiple of KV heads")
         if head_size % gqa_caps.head_size_multiple:
             return Kept(
                 ReasonCode.EP_UNSUPPORTED,
                 f"head size {head_size} is not a multiple of {gqa_caps.head_size_multiple} "
                 f"on {ctx.ep.name}",
             )
-        softcap = float(attr(node, "softcap", 0.0) or 0.0)
         if softcap and not gqa_caps.softcap:
             return Kept(
                 ReasonCode.EP_UNSUPPORTED,
@@ -159,16 +172,24 @@ class AttentionToGQA(Rule):
                 ReasonCode.EP_UNSUPPORTED,
                 f"{ctx.ep.name}'s GroupQueryAttention does not honour a sliding window",
             )
-        scale = attr(node, "scale")
-        scale = float(scale) if scale is not None else 1.0 / math.sqrt(head_size)
-
-        rope_plan = self._plan_rope(q, k, head_size, ctx)
+        rope_plan = self._plan_rope(node.inputs[0], node.inputs[1], head_size, ctx)
         if gqa_caps.requires_rotary_caches and not rope_plan.fused:
             why = rope_plan.reason or "no RotaryEmbedding on Q and K to fuse"
             return Kept(
                 ReasonCode.EP_UNSUPPORTED,
                 f"{ctx.ep.name}'s GroupQueryAttention wants cos/sin caches, but {why}",
             )
+        m.mask, m.rope_plan = mask, rope_plan
+        return None
+
+    def rewrite(self, m: _GQAMatch, ctx: RewriteContext) -> Rewritten:
+        node, sink, softcap, mask, rope_plan = m.node, m.sink, m.softcap, m.mask, m.rope_plan
+        num_heads, kv_heads = m.heads.q_heads, m.heads.kv_heads
+        head_size, rank = m.heads.head_size, m.heads.layout_rank
+        q, k, v = node.inputs[0], node.inputs[1], node.inputs[2]
+        past_k, past_v = node.inputs[4], node.inputs[5]
+        scale = attr(node, "scale")
+        scale = float(scale) if scale is not None else 1.0 / math.sqrt(head_size)
         builder = Builder(ctx.graph, node, f"epfuse/{node.name or 'attention'}")
         if rope_plan.fused:
             q_in, k_in = rope_plan.q.source, rope_plan.k.source

@@ -468,14 +468,22 @@ def _prove(ctx: RewriteContext, y: ir.Value, e: _Experts):
     )
 
 
-class ExpertsToMoE(Rule):
-    name = "experts-to-moe"
-    stage = Stage.LOWER
-    anchor = ("", "ReduceSum")
-    description = "router + top-k + batched SwiGLU experts -> com.microsoft::MoE"
-    emits = (Capability.MOE,)
+@dataclasses.dataclass
+class _MoEMatch:
+    node: ir.Node
+    experts: _Experts
+    normalize: bool = False
+    """Proven by ``check``: the router renormalizes its top-k weights."""
+    reverse: bool = False
+    """Proven by ``check``: the MoE reads the logits in reverse expert order (ties)."""
 
-    def apply(self, node: ir.Node, ctx: RewriteContext):
+
+class ExpertsToMoE(
+    Rule, name="experts-to-moe", stage=Stage.LOWER, anchor="ReduceSum", emits=(Capability.MOE,)
+):
+    """router + top-k + batched SwiGLU experts -> com.microsoft::MoE"""
+
+    def match(self, node: ir.Node, ctx: RewriteContext):
         matched = _match(node)
         if matched is None:
             return None
@@ -485,11 +493,17 @@ class ExpertsToMoE(Rule):
             return None
         if matched.tokens.dtype not in (ir.DataType.FLOAT, ir.DataType.FLOAT16):
             return Kept(ReasonCode.DTYPE, "experts kept: MoE runs float32/float16 only")
-        proven = _prove(ctx, node.outputs[0], matched)
+        return _MoEMatch(node, matched)
+
+    def check(self, m: _MoEMatch, ctx: RewriteContext) -> Kept | None:
+        proven = _prove(ctx, m.node.outputs[0], m.experts)
         if isinstance(proven, str):
             return Kept(ReasonCode.NOT_PROVEN, f"experts kept: {proven}")
-        normalize, reverse = proven
-        e = matched
+        m.normalize, m.reverse = proven
+        return None
+
+    def rewrite(self, m: _MoEMatch, ctx: RewriteContext) -> Rewritten:
+        node, e, normalize, reverse = m.node, m.experts, m.normalize, m.reverse
         builder = Builder(ctx.graph, node, f"epfuse/{node.name or 'experts'}")
         fc1, b1, fc2, b2 = _moe_arrays(e, reverse, e.tokens.dtype.numpy())
         logits = e.logits

@@ -271,15 +271,15 @@ def _inv_freq(value: ir.Value, half: int) -> np.ndarray | None:
     return found[0]
 
 
-class MRopeLowering(Rule):
-    name = "mrope"
-    stage = Stage.LOWER
-    anchor = ("", "RotaryEmbedding")
-    description = (
-        "RotaryEmbedding with cos/sin mixed from (3, B, S) positions -> MRotaryEmbedding "
-        "(or constant per-stream caches + Where)"
-    )
-    emits = (Capability.MROTARY_EMBEDDING,)
+class MRopeLowering(
+    Rule,
+    name="mrope",
+    stage=Stage.LOWER,
+    anchor="RotaryEmbedding",
+    emits=(Capability.MROTARY_EMBEDDING,),
+):
+    """RotaryEmbedding with cos/sin mixed from (3, B, S) positions -> MRotaryEmbedding
+    (or constant per-stream caches + Where)"""
 
     def requires(self, ops, ep):
         # Selected on every EP: without MRotaryEmbedding it still mixes constant per-stream
@@ -287,7 +287,7 @@ class MRopeLowering(Rule):
         # saying why, in ``apply``).
         return None
 
-    def apply(self, node: ir.Node, ctx: RewriteContext):
+    def match(self, node: ir.Node, ctx: RewriteContext):
         if input_at(node, 3) is not None:
             return None  # positions go in by id: 1-D RoPE
         x, cos, sin = node.inputs[0], input_at(node, 1), input_at(node, 2)
@@ -301,17 +301,23 @@ class MRopeLowering(Rule):
             return None
         if isinstance(mrope, str):
             return Kept(ReasonCode.NOT_PROVEN, f"mRoPE not proven: {mrope}")
-        ops = ctx.ops
-        if ops.mrotary_embedding and ctx.ep.vendor_ops:
-            return self._to_mrotary(node, mrope, ctx)
-        if mrope.from_tables:
+        if mrope.from_tables and not _takes_mrotary(ctx):
             return None  # already per-stream constant caches in front of RotaryEmbedding
-        if not ops.rotary_embedding:
+        return node, mrope
+
+    def check(self, match, ctx: RewriteContext) -> Kept | None:
+        if not _takes_mrotary(ctx) and not ctx.ops.rotary_embedding:
             return Kept(
                 ReasonCode.EP_UNSUPPORTED,
                 f"{ctx.ep.name} has neither MRotaryEmbedding nor RotaryEmbedding: "
                 "mRoPE stays as exported",
             )
+        return None
+
+    def rewrite(self, match, ctx: RewriteContext) -> Rewritten:
+        node, mrope = match
+        if _takes_mrotary(ctx):
+            return self._to_mrotary(node, mrope, ctx)
         mixed = _mixed_cos_sin(ctx, node, mrope)
         node.replace_input_with(1, mixed[0])
         node.replace_input_with(2, mixed[1])
@@ -340,6 +346,10 @@ class MRopeLowering(Rule):
         )
         substitute(ctx.graph, [node], fused, [(node.outputs[0], fused.outputs[0])])
         return Rewritten(f"{mrope.describe()} -> MRotaryEmbedding")
+
+
+def _takes_mrotary(ctx: RewriteContext) -> bool:
+    return bool(ctx.ops.mrotary_embedding and ctx.ep.vendor_ops)
 
 
 def _analysis_key(ctx: RewriteContext, cos: ir.Value, sin: ir.Value, dtype: ir.DataType):

@@ -32,12 +32,14 @@ from ..base import Kept, RewriteContext, Rewritten, Rule, Stage
 from ..reasons import ReasonCode
 
 
-class OnnxRotaryToContrib(Rule):
-    name = "rotary-embedding-to-contrib"
-    stage = Stage.FINALIZE
-    anchor = ("", "RotaryEmbedding")
-    description = "ONNX RotaryEmbedding -> com.microsoft::RotaryEmbedding (EPs without the ONNX op)"
-    emits = (Capability.MS_ROTARY_EMBEDDING,)
+class OnnxRotaryToContrib(
+    Rule,
+    name="rotary-embedding-to-contrib",
+    stage=Stage.FINALIZE,
+    anchor="RotaryEmbedding",
+    emits=(Capability.MS_ROTARY_EMBEDDING,),
+):
+    """ONNX RotaryEmbedding -> com.microsoft::RotaryEmbedding (EPs without the ONNX op)"""
 
     def requires(self, ops, ep):
         # Only a fallback: an EP that runs the ONNX op keeps it.
@@ -45,7 +47,7 @@ class OnnxRotaryToContrib(Rule):
             return f"{ep.name} runs ONNX RotaryEmbedding itself"
         return super().requires(ops, ep)
 
-    def apply(self, node: ir.Node, ctx: RewriteContext):
+    def match(self, node: ir.Node, ctx: RewriteContext):
         x, cos, sin, positions = (input_at(node, i) for i in range(4))
         if cos is None or sin is None or positions is None:
             return Kept(
@@ -87,6 +89,11 @@ class OnnxRotaryToContrib(Rule):
             return Kept(
                 ReasonCode.SHAPE, "rotary_embedding_dim disagrees with the cos/sin cache width"
             )
+        return node, heads, head_size, rotary_dim
+
+    def rewrite(self, match, ctx: RewriteContext) -> Rewritten:
+        node, heads, head_size, rotary_dim = match
+        x, cos, sin, positions = (input_at(node, i) for i in range(4))
         interleaved = int(attr(node, "interleaved", 0) or 0)
         ensure_opset(ctx.model, "com.microsoft", 1)
         new = ir.node(

@@ -71,12 +71,11 @@ def _residual_add(node: ir.Node) -> tuple[ir.Node, ir.Value, ir.Value] | str | N
     return add, a, b
 
 
-class _SkipNormFusion(Rule):
-    stage = Stage.LOWER
+class _SkipNormFusion(Rule, stage=Stage.LOWER):
     fused_op: str
     has_bias: bool
 
-    def apply(self, node: ir.Node, ctx: RewriteContext):
+    def match(self, node: ir.Node, ctx: RewriteContext):
         found = _residual_add(node)
         if found is None:
             return None
@@ -89,6 +88,10 @@ class _SkipNormFusion(Rule):
         _, epsilon = checked
         if len(node.outputs) > 1 and any(o.uses() or o.is_graph_output() for o in node.outputs[1:]):
             return Kept(ReasonCode.OUTPUTS_USED, "the normalization's statistics outputs are used")
+        return node, add, a, b, epsilon
+
+    def rewrite(self, match, ctx: RewriteContext) -> Rewritten:
+        node, add, a, b, epsilon = match
         params = [input_at(node, 1)]
         if self.has_bias:
             params.append(input_at(node, 2))
@@ -106,28 +109,33 @@ class _SkipNormFusion(Rule):
         return Rewritten(f"residual Add + {node.op_type} -> {self.fused_op}")
 
 
-class SkipRMSNormFusion(_SkipNormFusion):
-    name = "skip-simplified-layer-norm"
-    anchor = ("", "RMSNormalization")
-    description = "residual Add + RMSNormalization -> SkipSimplifiedLayerNormalization"
-    emits = (Capability.SKIP_SIMPLIFIED_LAYER_NORM,)
+class SkipRMSNormFusion(
+    _SkipNormFusion,
+    name="skip-simplified-layer-norm",
+    anchor="RMSNormalization",
+    emits=(Capability.SKIP_SIMPLIFIED_LAYER_NORM,),
+):
+    """residual Add + RMSNormalization -> SkipSimplifiedLayerNormalization"""
+
     fused_op = "SkipSimplifiedLayerNormalization"
     has_bias = False
 
 
-class SkipLayerNormFusion(_SkipNormFusion):
-    name = "skip-layer-norm"
-    anchor = ("", "LayerNormalization")
-    description = "residual Add + LayerNormalization -> SkipLayerNormalization"
-    emits = (Capability.SKIP_LAYER_NORM,)
+class SkipLayerNormFusion(
+    _SkipNormFusion,
+    name="skip-layer-norm",
+    anchor="LayerNormalization",
+    emits=(Capability.SKIP_LAYER_NORM,),
+):
+    """residual Add + LayerNormalization -> SkipLayerNormalization"""
+
     fused_op = "SkipLayerNormalization"
     has_bias = True
 
 
-class _RenameNorm(Rule):
+class _RenameNorm(Rule, stage=Stage.LOWER):
     """One norm op into its same-semantics twin: same inputs, same attributes."""
 
-    stage = Stage.LOWER
     target: str
     lack: Capability
     """The anchor's own capability: an EP that runs the anchor keeps it."""
@@ -138,16 +146,23 @@ class _RenameNorm(Rule):
             return f"{ep.name} runs {self.anchor[1]} itself"
         return lacking
 
-    def apply(self, node: ir.Node, ctx: RewriteContext):
+    def match(self, node: ir.Node, ctx: RewriteContext):
         checked = _last_axis_norm(node, False)
         if isinstance(checked, str):
             return Kept(ReasonCode.SHAPE, checked)
         _, epsilon = checked
         if len(node.outputs) > 1 and any(o.uses() or o.is_graph_output() for o in node.outputs[1:]):
             return Kept(ReasonCode.OUTPUTS_USED, "the normalization's extra outputs are used")
-        attributes = {"axis": -1, "epsilon": epsilon, "stash_type": 1}
+        return node, epsilon
+
+    def check(self, match, ctx: RewriteContext) -> Kept | None:
         if self.target == "RMSNormalization" and ctx.model.opset_imports.get("", 0) < 23:
             return Kept(ReasonCode.OPSET, "RMSNormalization needs opset 23")
+        return None
+
+    def rewrite(self, match, ctx: RewriteContext) -> Rewritten:
+        node, epsilon = match
+        attributes = {"axis": -1, "epsilon": epsilon, "stash_type": 1}
         new = ir.node(
             self.target,
             [node.inputs[0], input_at(node, 1)],
@@ -158,19 +173,25 @@ class _RenameNorm(Rule):
         return Rewritten(f"{node.op_type} -> {self.target}")
 
 
-class RMSNormToSimplified(_RenameNorm):
-    name = "rms-norm-to-simplified-layer-norm"
-    anchor = ("", "RMSNormalization")
-    description = "RMSNormalization -> SimplifiedLayerNormalization (EPs without RMSNormalization)"
+class RMSNormToSimplified(
+    _RenameNorm,
+    name="rms-norm-to-simplified-layer-norm",
+    anchor="RMSNormalization",
+    emits=(Capability.SIMPLIFIED_LAYER_NORM,),
+):
+    """RMSNormalization -> SimplifiedLayerNormalization (EPs without RMSNormalization)"""
+
     target = "SimplifiedLayerNormalization"
-    emits = (Capability.SIMPLIFIED_LAYER_NORM,)
     lack = Capability.RMS_NORMALIZATION
 
 
-class SimplifiedToRMSNorm(_RenameNorm):
-    name = "simplified-layer-norm-to-rms-norm"
-    anchor = ("", "SimplifiedLayerNormalization")
-    description = "SimplifiedLayerNormalization -> RMSNormalization (EPs without the ORT op)"
+class SimplifiedToRMSNorm(
+    _RenameNorm,
+    name="simplified-layer-norm-to-rms-norm",
+    anchor="SimplifiedLayerNormalization",
+    emits=(Capability.RMS_NORMALIZATION,),
+):
+    """SimplifiedLayerNormalization -> RMSNormalization (EPs without the ORT op)"""
+
     target = "RMSNormalization"
-    emits = (Capability.RMS_NORMALIZATION,)
     lack = Capability.SIMPLIFIED_LAYER_NORM

@@ -113,14 +113,16 @@ def _concat(parts: list[ir.TensorProtocol], axis: int, name: str) -> ir.LazyTens
     return ir.LazyTensor(load, dtype=first.dtype, shape=ir.Shape(shape), name=name)
 
 
-class PackQKV(Rule):
-    name = "pack-qkv"
-    stage = Stage.LOWER
-    anchor = ("com.microsoft", "GroupQueryAttention")
-    description = "three Q/K/V projections of one input -> one MatMul feeding packed GQA"
-    emits = (Capability.GQA_PACKED_QKV,)
+class PackQKV(
+    Rule,
+    name="pack-qkv",
+    stage=Stage.LOWER,
+    anchor=("com.microsoft", "GroupQueryAttention"),
+    emits=(Capability.GQA_PACKED_QKV,),
+):
+    """three Q/K/V projections of one input -> one MatMul feeding packed GQA"""
 
-    def apply(self, node: ir.Node, ctx: RewriteContext):
+    def match(self, node: ir.Node, ctx: RewriteContext):
         q, k, v = (input_at(node, i) for i in range(3))
         if k is None or v is None:
             return None  # already packed
@@ -158,7 +160,10 @@ class PackQKV(Rule):
                 )
             if len({t.dtype for t in tensors}) != 1:
                 return Kept(ReasonCode.DTYPE, "projection biases differ in dtype")
+        return node, found, weights, biases, widths
 
+    def rewrite(self, match, ctx: RewriteContext) -> Rewritten:
+        node, found, weights, biases, widths = match
         graph = ctx.graph
         x = found[0][0]
         prefix = f"{node.name or 'gqa'}/packed_qkv"

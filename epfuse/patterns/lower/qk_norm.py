@@ -19,6 +19,8 @@ and bf16.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import onnx_ir as ir
 
@@ -142,14 +144,27 @@ def _feed_dtype(value: ir.Value):
     return value.dtype.numpy()
 
 
-class QKNormIntoGQA(Rule):
-    name = "qk-norm-into-gqa"
-    stage = Stage.LOWER
-    anchor = ("com.microsoft", "GroupQueryAttention")
-    description = "per-head q/k RMSNorm ahead of GQA -> q_norm_weight/k_norm_weight"
-    emits = (Capability.GQA_QK_NORM,)
+@dataclasses.dataclass
+class _QKNorm:
+    node: ir.Node
+    found_q: tuple[ir.Node, ir.Value]
+    """(the norm, the projection it normalizes) on Q."""
+    found_k: tuple[ir.Node, ir.Value]
+    head_size: int
+    params: list
+    """(weight, epsilon) of the Q and the K norm."""
 
-    def apply(self, node: ir.Node, ctx: RewriteContext):
+
+class QKNormIntoGQA(
+    Rule,
+    name="qk-norm-into-gqa",
+    stage=Stage.LOWER,
+    anchor=("com.microsoft", "GroupQueryAttention"),
+    emits=(Capability.GQA_QK_NORM,),
+):
+    """per-head q/k RMSNorm ahead of GQA -> q_norm_weight/k_norm_weight"""
+
+    def match(self, node: ir.Node, ctx: RewriteContext):
         q, k = input_at(node, 0), input_at(node, 1)
         if k is None or input_at(node, 14) is not None:
             return None
@@ -168,15 +183,25 @@ class QKNormIntoGQA(Rule):
                 ReasonCode.HEADS, "K projection width does not match kv_num_heads * head_size"
             )
         params = []
-        for (norm, x), value, n in ((found_q, q, heads), (found_k, k, kv_heads)):
+        for norm, _ in (found_q, found_k):
             checked = _norm_params(norm, head_size)
             if isinstance(checked, str):
                 return Kept(ReasonCode.FORM, checked)
-            reason = _prove(ctx.graph, value, norm, x, n, head_size)
+            params.append(checked)
+        return _QKNorm(node, found_q, found_k, head_size, params)
+
+    def check(self, m: _QKNorm, ctx: RewriteContext) -> Kept | None:
+        heads, kv_heads = attr(m.node, "num_heads"), attr(m.node, "kv_num_heads")
+        q, k = m.node.inputs[0], m.node.inputs[1]
+        for (norm, x), value, n in ((m.found_q, q, heads), (m.found_k, k, kv_heads)):
+            reason = _prove(ctx.graph, value, norm, x, n, m.head_size)
             if reason:
                 return Kept(ReasonCode.NOT_PROVEN, reason)
-            params.append(checked)
-        (wq, eq), (wk, ek) = params
+        return None
+
+    def rewrite(self, m: _QKNorm, ctx: RewriteContext) -> Rewritten:
+        node, found_q, found_k = m.node, m.found_q, m.found_k
+        (wq, eq), (wk, ek) = m.params
         node.replace_input_with(0, found_q[1])
         node.replace_input_with(1, found_k[1])
         if len(node.inputs) < 16:
