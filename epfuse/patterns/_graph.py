@@ -97,14 +97,16 @@ def replace_value(old: ir.Value, new: ir.Value) -> None:
 def substitute(
     graph: ir.Graph,
     old_nodes: Sequence[ir.Node],
-    new_node: ir.Node,
+    new_node: ir.Node | Sequence[ir.Node],
     replaced: Sequence[tuple[ir.Value, ir.Value]],
 ) -> None:
-    """Put ``new_node`` in the place of ``old_nodes``, right after ``old_nodes[-1]`` (the
-    anchor, whose outputs' readers all come later): each ``(old, new)`` value pair hands over
-    its name, type, shape and every use, graph outputs included, so the model's signature and
-    the value names users see do not change. The replace tail every single-node rewrite shares
-    (onnx-ir's ``replace_all_uses_with`` re-points the uses)."""
+    """Put ``new_node`` (or several new nodes, in order: e.g. a fused op and the layout
+    nodes a detached ``Builder`` made for its output) in the place of ``old_nodes``, right
+    after ``old_nodes[-1]`` (the anchor, whose outputs' readers all come later): each
+    ``(old, new)`` value pair hands over its name, type, shape and every use, graph outputs
+    included, so the model's signature and the value names users see do not change. The
+    replace tail every rewrite shares (onnx-ir's ``replace_all_uses_with`` re-points the
+    uses); ``old_nodes`` must be dead once their replaced values are handed over."""
     for old, new in replaced:
         new.type = old.type if old.type is not None else new.type
         new.shape = old.shape if old.shape is not None else new.shape
@@ -112,7 +114,7 @@ def substitute(
         new.name = name
     olds, news = [old for old, _ in replaced], [new for _, new in replaced]
     ir.convenience.replace_all_uses_with(olds, news, replace_graph_outputs=True)
-    graph.insert_after(old_nodes[-1], new_node)
+    graph.insert_after(old_nodes[-1], [new_node] if isinstance(new_node, ir.Node) else new_node)
     graph.remove(list(old_nodes), safe=True)
 
 
@@ -139,9 +141,11 @@ def initializer(graph: ir.Graph, name: str, array: np.ndarray) -> ir.Value:
 
 
 class Builder:
-    """Appends nodes just before an anchor node, naming them after a prefix."""
+    """Appends nodes just before an anchor node, naming them after a prefix. Without an
+    anchor (``before=None``) it only collects them in ``nodes``, for ``substitute`` to place
+    (nodes that read a new node's output must come after it)."""
 
-    def __init__(self, graph: ir.Graph, before: ir.Node, prefix: str):
+    def __init__(self, graph: ir.Graph, before: ir.Node | None, prefix: str):
         self.graph = graph
         self.before = before
         self.prefix = prefix
@@ -167,7 +171,8 @@ class Builder:
         )
         for i, out in enumerate(node.outputs):
             out.name = f"{node.name}_out{i}"
-        self.graph.insert_before(self.before, node)
+        if self.before is not None:
+            self.graph.insert_before(self.before, node)
         self.nodes.append(node)
         return node.outputs[0] if num_outputs == 1 else tuple(node.outputs)
 

@@ -2,7 +2,7 @@
 
 import onnx_ir as ir
 
-from epfuse.patterns._graph import only_consumer, substitute
+from epfuse.patterns._graph import Builder, only_consumer, substitute
 
 
 def _chain() -> tuple[ir.Graph, ir.Node, ir.Node]:
@@ -33,6 +33,33 @@ def test_substitute_keeps_a_graph_output_and_its_name():
     substitute(graph, [neg], new, [(neg.outputs[0], new.outputs[0])])
     assert graph.outputs[0] is new.outputs[0] and graph.outputs[0].name == "y"
     assert [n.op_type for n in graph] == ["Relu", "Abs"]
+
+
+def test_substitute_places_several_new_nodes_in_order_after_the_anchor():
+    """GQA's tail: the fused node and the layout nodes a detached Builder made for its
+    output replace the matched nodes; readers of the replaced value now read the last one."""
+    graph, relu, neg = _chain()
+    fused = ir.node("Sigmoid", [graph.inputs[0]], name="fused")
+    after = Builder(graph, None, "layout")  # detached: nothing is inserted yet
+    shaped = after.op("Abs", [fused.outputs[0]])
+    assert [n.op_type for n in graph] == ["Relu", "Neg"]
+    substitute(graph, [relu], [fused, *after.nodes], [(relu.outputs[0], shaped)])
+    assert [n.op_type for n in graph] == ["Sigmoid", "Abs", "Neg"]
+    assert neg.inputs[0] is shaped and shaped.name == "hidden"
+
+
+def test_substitute_removes_every_matched_node_and_hands_over_each_output():
+    graph, relu, neg = _chain()
+    fused = ir.node("Sigmoid", [graph.inputs[0]], num_outputs=2, name="fused")
+    substitute(
+        graph,
+        [relu, neg],  # the anchor (whose output the graph reads) last
+        fused,
+        [(neg.outputs[0], fused.outputs[0]), (relu.outputs[0], fused.outputs[1])],
+    )
+    assert [n.name for n in graph] == ["fused"]
+    assert graph.outputs[0] is fused.outputs[0] and fused.outputs[0].name == "y"
+    assert fused.outputs[1].name == "hidden"
 
 
 def test_only_consumer():

@@ -42,7 +42,7 @@ from .._graph import (
     ensure_opset,
     input_at,
     producer,
-    replace_value,
+    substitute,
 )
 from .._layout import bsd_consumer, from_bsd, to_bsd
 from ..analysis.head_counts import HeadCounts, attention_heads
@@ -228,33 +228,28 @@ class AttentionToGQA(
             name=f"{node.name or 'attention'}/GroupQueryAttention",
             metadata_props=dict(node.metadata_props),
         )
-        ctx.graph.insert_before(node, gqa)
         out, present_k, present_v = gqa.outputs
         out.name = f"{gqa.name}/output"
         y = node.outputs[0] if sink is None else sink.output
+        old_nodes = [*(sink.nodes if sink is not None else ()), node]  # the anchor last
+        after = Builder(ctx.graph, None, builder.prefix)  # placed after gqa by substitute
         if rank == 3:
-            replace_value(y, out)
+            replaced = [(y, out)]
         elif (reshaped := bsd_consumer(y, num_heads * head_size)) is not None:
-            replace_value(reshaped, out)
-            layout_nodes, value = [], reshaped
+            replaced = [(reshaped, out)]  # the exporter's (B, S, N*H) view is GQA's output
+            value = reshaped
             while value is not y:  # Reshape <- Transpose [<- identity Reshape] <- y
-                layout_nodes.append(value.producer())
-                value = layout_nodes[-1].inputs[0]
-            ctx.graph.remove(layout_nodes, safe=True)
+                old_nodes.insert(0, value.producer())
+                value = old_nodes[0].inputs[0]
         else:
-            replace_value(y, from_bsd(builder, out, num_heads, head_size))
+            replaced = [(y, from_bsd(after, out, num_heads, head_size))]
         for index, new in ((1, present_k), (2, present_v)):
             old = node.outputs[index] if len(node.outputs) > index else None
             if old is not None:
-                new.shape, new.type = old.shape, old.type
-                if old.name and not old.is_graph_output():
-                    new.name, old.name = old.name, None
-                replace_value(old, new)
+                replaced.append((old, new))
             else:
                 new.name = f"{gqa.name}/present_{index}"
-        if sink is not None:
-            ctx.graph.remove(sink.nodes, safe=True)
-        ctx.graph.remove(node, safe=True)
+        substitute(ctx.graph, old_nodes, [gqa, *after.nodes], replaced)
         if rope_plan.fused:
             result = "GroupQueryAttention(do_rotary=1)"
         else:

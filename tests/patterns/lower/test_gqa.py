@@ -57,6 +57,22 @@ def test_fuses_with_rotary_and_stays_equal(name):
     assert_equivalent(original, optimized)
 
 
+@pytest.mark.parametrize("style", ["torch23", "mobius"])
+def test_gqa_takes_over_the_names_of_what_it_replaces(style):
+    """The replace tail is ``_graph.substitute``: GQA's output takes the name of the value it
+    replaces (the Attention's output, or the exporter's (B, S, N*H) view of it, whose
+    Transpose/Reshape go), and the presents keep theirs."""
+    original = build_decoder(DecoderConfig(style=style))
+    names = {v for n in original.graph.node for v in n.output}
+    optimized = epfuse.optimize(original, "cpu")
+    nodes = _gqa_nodes(optimized)
+    assert nodes
+    for node in nodes:
+        assert node.output[0] in names and "GroupQueryAttention" not in node.output[0]
+        assert all(name in names for name in node.output[1:])
+    assert_equivalent(original, optimized)
+
+
 def test_sliding_window_becomes_local_window_size():
     cfg = DecoderConfig(style="torch23", sliding_window=4)
     original = build_decoder(cfg)
