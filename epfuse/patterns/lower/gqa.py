@@ -232,7 +232,7 @@ class AttentionToGQA(
         out.name = f"{gqa.name}/output"
         y = node.outputs[0] if sink is None else sink.output
         old_nodes = [*(sink.nodes if sink is not None else ()), node]  # the anchor last
-        after = Builder(ctx.graph, None, builder.prefix)  # placed after gqa by substitute
+        after = Builder(ctx.graph, None, f"{builder.prefix}/out")  # placed after gqa (substitute)
         if rank == 3:
             replaced = [(y, out)]
         elif (reshaped := bsd_consumer(y, num_heads * head_size)) is not None:
