@@ -8,16 +8,14 @@ scenario with prompts and pasts longer than any sliding window.
 
 from __future__ import annotations
 
-import numpy as np
 import onnx
-import onnxruntime as ort
 import pytest
+from export_runs import assert_prompt_matches_hf
 
 import epfuse
 from epfuse.optimizer.verify import assert_equivalent
-from epfuse.testing.hf_export import export_hf_decoder, hf_reference
+from epfuse.testing.hf_export import export_hf_decoder
 from epfuse.testing.hf_families import FAMILIES, SLIDING_WINDOW
-from epfuse.tolerances import tolerance_for
 
 pytestmark = pytest.mark.slow
 
@@ -51,7 +49,7 @@ def test_opset18_export_fuses_and_stays_equal(name, tmp_path):
     path = tmp_path / f"{name}.onnx"
     export_hf_decoder(FAMILIES[name].make_config(), path, opset=18)
     original = onnx.load(str(path))
-    _assert_export_matches_hf(name, original)
+    assert_prompt_matches_hf(FAMILIES[name].make_config(), original, 2 * W + 1)
     optimized, report = epfuse.optimize_with_report(original, "cpu")
     rotary, windows, softcap = EXPECTED[name]
     assert len(report.layers) == len(windows)
@@ -68,31 +66,3 @@ def test_opset18_export_fuses_and_stays_equal(name, tmp_path):
     gone = {"Softmax", "ReduceMean"} | ({"Cos", "Sin"} if rotary else set())
     assert not gone & {n.op_type for n in optimized.graph.node}
     assert_equivalent(original, optimized, prompt_len=2 * W + 1, decode_past_len=2 * W)
-
-
-def _assert_export_matches_hf(name: str, exported: onnx.ModelProto) -> None:
-    """The opset-18 graph itself is the Hugging Face model, on a prompt of 2W + 1 tokens."""
-    tol = tolerance_for("float32")
-    rng = np.random.default_rng(7)
-    batch, prompt = 2, 2 * W + 1
-    kv = [i for i in exported.graph.input if i.name.startswith("past_key_values")]
-    kv_heads, head = (d.dim_value for d in kv[0].type.tensor_type.shape.dim[1::2])
-    feeds = {
-        "input_ids": rng.integers(0, 256, (batch, prompt), dtype=np.int64),
-        "attention_mask": np.ones((batch, prompt), dtype=np.int64),
-        "position_ids": np.tile(np.arange(prompt, dtype=np.int64), (batch, 1)),
-    }
-    feeds.update({i.name: np.zeros((batch, kv_heads, 0, head), np.float32) for i in kv})
-    session = ort.InferenceSession(exported.SerializeToString(), providers=["CPUExecutionProvider"])
-    got = session.run(None, feeds)
-    want_logits, want_present = hf_reference(
-        FAMILIES[name].make_config(),
-        0,
-        feeds["input_ids"],
-        feeds["attention_mask"],
-        feeds["position_ids"],
-        None,
-    )
-    np.testing.assert_allclose(got[0], want_logits, atol=tol.atol, rtol=tol.rtol)
-    for g, w in zip(got[1:], want_present, strict=True):
-        np.testing.assert_allclose(g, w, atol=tol.atol, rtol=tol.rtol)

@@ -18,12 +18,12 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-import onnxruntime as ort
 import pytest
+from export_runs import decoder_feeds, export_and_optimize, run_cpu
 
 import epfuse
 from epfuse.optimizer.verify import assert_equivalent
-from epfuse.testing.hf_export import export_hf_decoder, hf_reference
+from epfuse.testing.hf_export import hf_reference
 from epfuse.testing.hf_families import FAMILIES, SLIDING_WINDOW
 from epfuse.tolerances import tolerance_for
 
@@ -95,23 +95,9 @@ def family(request, family_cache, tmp_path_factory) -> tuple[str, _Exported]:
     name = request.param
     if name not in family_cache:
         path = tmp_path_factory.mktemp("families") / f"{name}.onnx"
-        export_hf_decoder(FAMILIES[name].make_config(), path, opset=23)
-        original = onnx.load(str(path))
-        optimized, report = epfuse.optimize_with_report(original, "cpu")
+        original, optimized, report = export_and_optimize(FAMILIES[name].make_config(), path, 23)
         family_cache[name] = _Exported(path, original, optimized, report)
     return name, family_cache[name]
-
-
-def _run(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
-    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
-    return sess.run(None, feeds)
-
-
-def _feeds(model, ids, mask, pos, past):
-    feeds = {"input_ids": ids, "attention_mask": mask, "position_ids": pos}
-    names = [i.name for i in model.graph.input if i.name.startswith("past_key_values")]
-    feeds.update(zip(names, past, strict=True))
-    return feeds
 
 
 def _gqa_attrs(model: onnx.ModelProto) -> list[dict]:
@@ -143,7 +129,7 @@ def test_export_matches_hugging_face(family):
     mask = np.ones((batch, PROMPT), dtype=np.int64)
     pos = np.tile(np.arange(PROMPT, dtype=np.int64), (batch, 1))
     empty = [np.zeros((batch, kv_heads, 0, head), np.float32)] * (2 * layers)
-    got = _run(exported.original, _feeds(exported.original, ids, mask, pos, empty))
+    got = run_cpu(exported.original, decoder_feeds(exported.original, ids, mask, pos, empty))
     ref_logits, ref_present = hf_reference(config, 0, ids, mask, pos, None)
     np.testing.assert_allclose(got[0], ref_logits, atol=tol.atol, rtol=tol.rtol)
     for g, r in zip(got[1:], ref_present, strict=True):
@@ -153,7 +139,7 @@ def test_export_matches_hugging_face(family):
     mask2 = np.ones((batch, PROMPT + 1), dtype=np.int64)
     pos2 = np.full((batch, 1), PROMPT, dtype=np.int64)
     past = got[1:]
-    got2 = _run(exported.original, _feeds(exported.original, step, mask2, pos2, past))
+    got2 = run_cpu(exported.original, decoder_feeds(exported.original, step, mask2, pos2, past))
     ref2_logits, ref2_present = hf_reference(config, 0, step, mask2, pos2, past)
     np.testing.assert_allclose(got2[0], ref2_logits, atol=tol.atol, rtol=tol.rtol)
     for g, r in zip(got2[1:], ref2_present, strict=True):

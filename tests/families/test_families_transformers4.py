@@ -12,19 +12,17 @@ export in every scenario, with lengths past the sliding window.
 
 from __future__ import annotations
 
-import numpy as np
 import onnx
-import onnxruntime as ort
 import pytest
 import transformers
+from export_runs import assert_prompt_matches_hf
 from families.test_families_opset18 import EXPECTED as EXPECTED_18
 from families.test_families_opset23 import EXPECTED as EXPECTED_23
 
 import epfuse
 from epfuse.optimizer.verify import compare_models
-from epfuse.testing.hf_export import export_hf_decoder, hf_reference
+from epfuse.testing.hf_export import export_hf_decoder
 from epfuse.testing.hf_families import ALL_FAMILIES, SLIDING_WINDOW
-from epfuse.tolerances import tolerance_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.optimum]
 
@@ -65,7 +63,7 @@ def test_export_fuses_like_transformers5(name, opset, tmp_path):
     config = ALL_FAMILIES[name].make_config()
     path = export_hf_decoder(config, tmp_path / f"{name}.onnx", opset=opset)
     original = onnx.load(str(path))
-    _assert_export_matches_hf(config, original)
+    assert_prompt_matches_hf(config, original, PROMPT)
 
     optimized, report = epfuse.optimize_with_report(original, "cpu")
     rotary, windows, softcap = _expected(name, opset)
@@ -87,26 +85,3 @@ def test_export_fuses_like_transformers5(name, opset, tmp_path):
 
     result = compare_models(original, optimized, prompt_len=PROMPT, decode_past_len=PAST)
     assert result.passed, str(result)
-
-
-def _assert_export_matches_hf(config, exported: onnx.ModelProto) -> None:
-    """The exported graph is the Hugging Face model of the installed transformers."""
-    tol = tolerance_for("float32")
-    rng = np.random.default_rng(7)
-    batch = 2
-    kv = [i for i in exported.graph.input if i.name.startswith("past_key_values")]
-    kv_heads, head = (d.dim_value for d in kv[0].type.tensor_type.shape.dim[1::2])
-    feeds = {
-        "input_ids": rng.integers(0, 256, (batch, PROMPT), dtype=np.int64),
-        "attention_mask": np.ones((batch, PROMPT), dtype=np.int64),
-        "position_ids": np.tile(np.arange(PROMPT, dtype=np.int64), (batch, 1)),
-    }
-    feeds.update({i.name: np.zeros((batch, kv_heads, 0, head), np.float32) for i in kv})
-    session = ort.InferenceSession(exported.SerializeToString(), providers=["CPUExecutionProvider"])
-    got = session.run(None, feeds)
-    want_logits, want_present = hf_reference(
-        config, 0, feeds["input_ids"], feeds["attention_mask"], feeds["position_ids"], None
-    )
-    np.testing.assert_allclose(got[0], want_logits, atol=tol.atol, rtol=tol.rtol)
-    for g, w in zip(got[1:], want_present, strict=True):
-        np.testing.assert_allclose(g, w, atol=tol.atol, rtol=tol.rtol)

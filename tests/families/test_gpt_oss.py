@@ -15,14 +15,14 @@ import dataclasses
 
 import numpy as np
 import onnx
-import onnxruntime as ort
 import pytest
+from export_runs import decoder_feeds, export_and_optimize, run_cpu
 from onnx import numpy_helper
 
 import epfuse
 from epfuse.capabilities import get_ep
 from epfuse.optimizer.verify import assert_equivalent
-from epfuse.testing.hf_export import export_hf_decoder, hf_model, hf_reference
+from epfuse.testing.hf_export import hf_model, hf_reference
 from epfuse.testing.hf_families import SINK_FAMILIES, SLIDING_WINDOW
 from epfuse.tolerances import tolerance_for
 
@@ -36,22 +36,8 @@ FAMILY = SINK_FAMILIES["gpt-oss"]
 @pytest.fixture(scope="module", params=[18, 23], ids=["opset18", "opset23"])
 def exported(request, tmp_path_factory):
     path = tmp_path_factory.mktemp("gpt_oss") / f"gpt_oss_{request.param}.onnx"
-    export_hf_decoder(FAMILY.make_config(), path, opset=request.param)
-    original = onnx.load(str(path))
-    optimized, report = epfuse.optimize_with_report(original, "cpu")
+    original, optimized, report = export_and_optimize(FAMILY.make_config(), path, request.param)
     return original, optimized, report
-
-
-def _run(model, feeds):
-    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
-    return sess.run(None, feeds)
-
-
-def _feeds(model, ids, mask, pos, past):
-    feeds = {"input_ids": ids, "attention_mask": mask, "position_ids": pos}
-    names = [i.name for i in model.graph.input if i.name.startswith("past_key_values")]
-    feeds.update(zip(names, past, strict=True))
-    return feeds
 
 
 def test_export_matches_hugging_face(exported):
@@ -62,14 +48,14 @@ def test_export_matches_hugging_face(exported):
     mask = np.ones((2, PROMPT), dtype=np.int64)
     pos = np.tile(np.arange(PROMPT, dtype=np.int64), (2, 1))
     empty = [np.zeros((2, 2, 0, 16), np.float32)] * 4
-    got = _run(original, _feeds(original, ids, mask, pos, empty))
+    got = run_cpu(original, decoder_feeds(original, ids, mask, pos, empty))
     ref_logits, ref_present = hf_reference(config, 0, ids, mask, pos, None)
     np.testing.assert_allclose(got[0], ref_logits, atol=tol.atol, rtol=tol.rtol)
     for g, r in zip(got[1:], ref_present, strict=True):
         np.testing.assert_allclose(g, r, atol=tol.atol, rtol=tol.rtol)
     step = rng.integers(0, 256, (2, 1), dtype=np.int64)
     mask2, pos2 = np.ones((2, PROMPT + 1), np.int64), np.full((2, 1), PROMPT, np.int64)
-    got2 = _run(original, _feeds(original, step, mask2, pos2, got[1:]))
+    got2 = run_cpu(original, decoder_feeds(original, step, mask2, pos2, got[1:]))
     ref2, _ = hf_reference(config, 0, step, mask2, pos2, got[1:])
     np.testing.assert_allclose(got2[0], ref2, atol=tol.atol, rtol=tol.rtol)
 

@@ -21,15 +21,15 @@ import dataclasses
 
 import numpy as np
 import onnx
-import onnxruntime as ort
 import pytest
+from export_runs import decoder_feeds, export_and_optimize, run_cpu
 from onnx import numpy_helper
 
 import epfuse
 from epfuse.capabilities import get_ep
 from epfuse.optimizer.verify import Scenario, compare_models
 from epfuse.optimizer.verify.limits import read_limits
-from epfuse.testing.hf_export import export_hf_decoder, hf_reference
+from epfuse.testing.hf_export import hf_reference
 from epfuse.testing.hf_families import LONGROPE_FAMILIES, LONGROPE_ORIGINAL_MAX
 from epfuse.tolerances import tolerance_for
 
@@ -62,22 +62,10 @@ def scenarios() -> list[Scenario]:
 def exported(request, tmp_path_factory):
     name, opset = request.param
     path = tmp_path_factory.mktemp("longrope") / f"{name}_{opset}.onnx"
-    export_hf_decoder(LONGROPE_FAMILIES[name].make_config(), path, opset=opset)
-    original = onnx.load(str(path))
-    optimized, report = epfuse.optimize_with_report(original, "cpu")
+    original, optimized, report = export_and_optimize(
+        LONGROPE_FAMILIES[name].make_config(), path, opset
+    )
     return name, original, optimized, report
-
-
-def _run(model, feeds):
-    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
-    return sess.run(None, feeds)
-
-
-def _feeds(model, ids, mask, pos, past):
-    feeds = {"input_ids": ids, "attention_mask": mask, "position_ids": pos}
-    names = [i.name for i in model.graph.input if i.name.startswith("past_key_values")]
-    feeds.update(zip(names, past, strict=True))
-    return feeds
 
 
 def test_export_matches_hugging_face_on_both_sides(exported):
@@ -91,7 +79,7 @@ def test_export_matches_hugging_face_on_both_sides(exported):
         mask = np.ones((2, prompt), dtype=np.int64)
         pos = np.tile(np.arange(prompt, dtype=np.int64), (2, 1))
         empty = [np.zeros((2, 2, 0, head), np.float32)] * 4
-        got = _run(original, _feeds(original, ids, mask, pos, empty))
+        got = run_cpu(original, decoder_feeds(original, ids, mask, pos, empty))
         ref_logits, ref_present = hf_reference(config, 0, ids, mask, pos, None)
         np.testing.assert_allclose(got[0], ref_logits, atol=tol.atol, rtol=tol.rtol)
         for g, r in zip(got[1:], ref_present, strict=True):
@@ -100,7 +88,7 @@ def test_export_matches_hugging_face_on_both_sides(exported):
         step = rng.integers(0, 256, (2, 1), dtype=np.int64)
         mask2 = np.ones((2, prompt + 1), np.int64)
         pos2 = np.full((2, 1), prompt, np.int64)
-        got2 = _run(original, _feeds(original, step, mask2, pos2, got[1:]))
+        got2 = run_cpu(original, decoder_feeds(original, step, mask2, pos2, got[1:]))
         ref2, _ = hf_reference(config, 0, step, mask2, pos2, got[1:])
         np.testing.assert_allclose(got2[0], ref2, atol=tol.atol, rtol=tol.rtol)
 

@@ -11,13 +11,13 @@ import dataclasses
 
 import numpy as np
 import onnx
-import onnxruntime as ort
 import pytest
+from export_runs import export_and_optimize, run_cpu
 
 import epfuse
 from epfuse.capabilities import get_ep
 from epfuse.optimizer.verify import assert_equivalent
-from epfuse.testing.hf_export import export_hf_decoder, hf_reference
+from epfuse.testing.hf_export import hf_reference
 from epfuse.testing.hf_families import MOE_FAMILIES
 from epfuse.tolerances import tolerance_for
 
@@ -31,15 +31,8 @@ RENORMALIZED = {"mixtral": 1, "qwen3-moe": 0}
 def exported(request, tmp_path_factory):
     name = request.param
     path = tmp_path_factory.mktemp("moe") / f"{name}.onnx"
-    export_hf_decoder(MOE_FAMILIES[name].make_config(), path, opset=23)
-    original = onnx.load(str(path))
-    optimized, report = epfuse.optimize_with_report(original, "cpu")
+    original, optimized, report = export_and_optimize(MOE_FAMILIES[name].make_config(), path, 23)
     return name, original, optimized, report
-
-
-def _run(model, feeds):
-    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
-    return sess.run(None, feeds)
 
 
 def test_export_matches_hugging_face(exported):
@@ -52,7 +45,7 @@ def test_export_matches_hugging_face(exported):
     for i in original.graph.input:
         if i.name.startswith("past_key_values"):
             feeds[i.name] = np.zeros((2, 2, 0, 16), np.float32)
-    got = _run(original, feeds)
+    got = run_cpu(original, feeds)
     ref, _ = hf_reference(MOE_FAMILIES[name].make_config(), 0, ids, mask, pos, None)
     tol = tolerance_for("float32")
     np.testing.assert_allclose(got[0], ref, atol=tol.atol, rtol=tol.rtol)
