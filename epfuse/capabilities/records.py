@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from types import MappingProxyType
+from typing import Any
 
 DTYPES: tuple[str, ...] = ("float32", "float16", "bfloat16")
 
@@ -123,3 +124,16 @@ class EPCapabilities:
     def ops(self, dtype: str) -> OpSupport:
         """What may be emitted for ``dtype``; an absent dtype supports nothing."""
         return self.dtypes.get(dtype, NOTHING)
+
+    def variant(self, name: str, *, gqa: Mapping[str, Any] | None = None, **ops: Any):
+        """This record under another ``name`` with the same change at every dtype: ``ops``
+        replaces OpSupport fields, ``gqa`` GQASupport fields (e.g. a user's EP build without
+        one kernel: ``get_ep("cpu").variant("cpu-no-moe", moe=False)``)."""
+
+        def changed(support: OpSupport) -> OpSupport:
+            if gqa and support.gqa is not None:
+                support = dataclasses.replace(support, gqa=dataclasses.replace(support.gqa, **gqa))
+            return dataclasses.replace(support, **ops)
+
+        dtypes = {dtype: changed(support) for dtype, support in self.dtypes.items()}
+        return dataclasses.replace(self, name=name, dtypes=dtypes)

@@ -111,6 +111,10 @@ def _roi_align_mode(node: ir.Node) -> None:
 _TYPES = "adds tensor types only"
 _BF16 = "adds bfloat16 (and other) types only"
 
+# Identity and the control-flow ops pass any tensor through: each new tensor type revises them
+# (16, 19, 21, 23) and nothing else.
+_ANY_TYPE_OPS = ("Identity", "If", "Loop", "Scan")
+
 # The ops that take each new small type: the 4-bit integers (21), then float4, float8e8m0 and
 # more 4-bit types (23); nothing else in their schemas changes.
 _SMALL_TYPE_OPS = (
@@ -118,10 +122,7 @@ _SMALL_TYPE_OPS = (
     "CastLike",
     "Constant",
     "ConstantOfShape",
-    "Identity",
-    "If",
-    "Loop",
-    "Scan",
+    *_ANY_TYPE_OPS,
     "Shape",
     "Size",
     "Reshape",
@@ -137,10 +138,7 @@ _TYPE_ONLY: dict[int, tuple[str, ...]] = {
     16: (
         "GreaterOrEqual",
         "LessOrEqual",
-        "Identity",
-        "If",
-        "Loop",
-        "Scan",
+        *_ANY_TYPE_OPS,
         "LeakyRelu",
         "PRelu",
         "Where",
@@ -149,10 +147,7 @@ _TYPE_ONLY: dict[int, tuple[str, ...]] = {
     18: ("OptionalGetElement", "ScatterElements", "ScatterND"),
     19: (
         "Constant",
-        "Identity",
-        "If",
-        "Loop",
-        "Scan",
+        *_ANY_TYPE_OPS,
         "Shape",
         "Size",
         "Reshape",

@@ -100,3 +100,14 @@ def test_register_third_party_ep():
         for alias in ("acme-npu", "acme", "acmeexecutionprovider"):
             registry._ALIASES.pop(alias, None)
     assert "acme-npu" not in [r.name for r in all_eps()]
+
+
+def test_variant_changes_every_dtype_and_keeps_the_rest():
+    cpu = get_ep("cpu")
+    no_sink = cpu.variant("cpu-no-sink", gqa={"head_sink": False}, moe=False)
+    assert no_sink.name == "cpu-no-sink" and set(no_sink.dtypes) == set(cpu.dtypes)
+    for dtype, ops in no_sink.dtypes.items():
+        assert ops.gqa.head_sink is False and ops.moe is False
+        assert ops.gqa.kv_cache_int8 == cpu.ops(dtype).gqa.kv_cache_int8
+        assert ops.rotary_embedding == cpu.ops(dtype).rotary_embedding
+    assert cpu.ops("float32").gqa.head_sink is True  # the original record is untouched

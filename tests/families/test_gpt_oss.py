@@ -11,8 +11,6 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 import onnx
 import pytest
@@ -104,15 +102,7 @@ def test_optimized_is_equivalent_beyond_the_window(exported):
 
 def test_without_head_sink_the_standard_form_carries_the_sinks(exported):
     original, _, _ = exported
-    cpu = get_ep("cpu")
-    no_sink = dataclasses.replace(
-        cpu,
-        name="cpu-no-head-sink",
-        dtypes={
-            d: dataclasses.replace(ops, gqa=dataclasses.replace(ops.gqa, head_sink=False))
-            for d, ops in cpu.dtypes.items()
-        },
-    )
+    no_sink = get_ep("cpu").variant("cpu-no-head-sink", gqa={"head_sink": False})
     kept, report = epfuse.optimize_with_report(original, no_sink)
     assert report.fused_layers == 0
     for layer in report.layers:

@@ -3,8 +3,6 @@ equal to the unfused graph on ORT CPU for text-only and image-like position stre
 
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 import onnx
 import onnx_ir as ir
@@ -35,9 +33,7 @@ def _attrs(node):
 
 def _cpu_without_mrotary():
     """The CPU record minus MRotaryEmbedding: the plain-rotation path on the same kernels."""
-    cpu = get_ep("cpu")
-    dtypes = {d: dataclasses.replace(ops, mrotary_embedding=False) for d, ops in cpu.dtypes.items()}
-    return dataclasses.replace(cpu, name="cpu-no-mrope", dtypes=dtypes)
+    return get_ep("cpu").variant("cpu-no-mrope", mrotary_embedding=False)
 
 
 def _both_position_kinds(original, optimized):
