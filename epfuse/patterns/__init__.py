@@ -10,6 +10,7 @@ from .canonicalize.repeat_kv import RemoveRepeatKV
 from .canonicalize.rms_norm import DecomposedRMSNormToRMSNormalization
 from .canonicalize.rope_caches import RopeCosSinToCaches
 from .canonicalize.rotate_half import RotateHalfToRotaryEmbedding
+from .canonicalize.same_type_cast import SameTypeCast
 from .canonicalize.sdpa import DecomposedAttentionToAttention
 from .canonicalize.shape_of_same_shape import ShapeOfSameShapeOp
 from .canonicalize.single_input_concat import SingleInputConcat
@@ -32,6 +33,7 @@ from .reasons import ReasonCode
 
 RULES: tuple[Rule, ...] = (
     SingleInputConcat(),
+    SameTypeCast(),
     DecomposedAttentionToAttention(),
     AttentionSinksToAttention(),
     RotateHalfToRotaryEmbedding(),

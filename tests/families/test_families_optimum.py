@@ -112,3 +112,29 @@ def test_optimum_export_fuses_and_stays_equal(name, opset, tmp_path):
 
     result = compare_models(original, optimized, prompt_len=PROMPT, decode_past_len=PAST)
     assert result.passed, str(result)
+
+
+def test_gpt_oss_sliding_layer_fuses_with_its_sinks(tmp_path):
+    """Optimum's GPT-OSS (transformers 4.57 eager attention with sinks; its softmax is cast
+    back to float32 before the sink column is dropped, a Cast ``same-type-cast`` removes):
+    the first (sliding) layer becomes GroupQueryAttention with head_sink and window, and the
+    model stays equal to the export. The full layer's sink column is not proven (it reads the
+    inputs by value through its computed Expand shape) and stays as exported, reported."""
+    from epfuse.patterns.reasons import ReasonCode
+    from epfuse.testing.hf_families import SINK_FAMILIES
+    from epfuse.testing.optimum_export import export_optimum_decoder
+
+    config = SINK_FAMILIES["gpt-oss"].make_config()
+    path = export_optimum_decoder(config, tmp_path)
+    original = onnx.load(str(path))
+    assert_prompt_matches_hf(config, original, PROMPT)
+    optimized, report = epfuse.optimize_with_report(original, "cpu")
+    gqa = [n for n in optimized.graph.node if n.op_type == "GroupQueryAttention"]
+    assert len(gqa) == report.fused_layers == 1, report.summary()
+    attrs = {a.name: onnx.helper.get_attribute_value(a) for a in gqa[0].attribute}
+    assert attrs["local_window_size"] == W
+    assert len(gqa[0].input) > 11 and gqa[0].input[11]  # head_sink
+    sinks = next(r for r in report.rules if r.name == "attention-sinks-to-attention")
+    assert sinks.rewritten == 1 and ReasonCode.NOT_PROVEN in sinks.kept_codes, report.summary()
+    result = compare_models(original, optimized, prompt_len=PROMPT, decode_past_len=PAST)
+    assert result.passed, str(result)
