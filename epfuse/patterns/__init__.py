@@ -4,16 +4,15 @@ record still does not take -> an op it does, or primitives). ``RULES`` lists the
 
 from .base import AttentionFacts, Kept, OptimizeOptions, RewriteContext, Rewritten, Rule, Stage
 from .canonicalize.attention_sinks import AttentionSinksToAttention
+from .canonicalize.identity_ops import SameTypeCast, SingleInputConcat
 from .canonicalize.kv_cache import KVConcatToAttentionPast
 from .canonicalize.partial_rotary import PartialRotaryToRotaryDim
 from .canonicalize.repeat_kv import RemoveRepeatKV
 from .canonicalize.rms_norm import DecomposedRMSNormToRMSNormalization
 from .canonicalize.rope_caches import RopeCosSinToCaches
 from .canonicalize.rotate_half import RotateHalfToRotaryEmbedding
-from .canonicalize.same_type_cast import SameTypeCast
 from .canonicalize.sdpa import DecomposedAttentionToAttention
 from .canonicalize.shape_of_same_shape import ShapeOfSameShapeOp
-from .canonicalize.single_input_concat import SingleInputConcat
 from .canonicalize.split_rotary import SplitHalvesToRotaryEmbedding
 from .legalize.expand import ExpandAttention, ExpandRMSNormalization, ExpandRotaryEmbedding
 from .legalize.skip_norm import SkipSimplifiedToAddRMSNorm
