@@ -62,6 +62,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=20)
     args = parser.parse_args(argv)
 
+    import onnx_ir as ir
+
     import epfuse
     from epfuse.optimizer.precision.kv_cache import float_cache_boundary
     from epfuse.testing.model_builder import DecoderConfig, build_decoder
@@ -89,7 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     int8, report = epfuse.optimize_with_report(source, "cpu", max_seq_len=max_len, kv_cache="int8")
     t2 = time.perf_counter()
     sessions = {"fp32 cache": _session(fp32), "int8 cache": _session(int8)}
-    boundary = _session(float_cache_boundary(int8))
+    # the boundary is an onnx_ir transformation; the sessions take protobuf
+    boundary = _session(ir.to_proto(float_cache_boundary(ir.from_proto(int8))))
     rng = np.random.default_rng(0)
     results = []
     for past_len in lengths:
