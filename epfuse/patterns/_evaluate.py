@@ -9,20 +9,95 @@ evaluating it over a grid of shapes covers every input it can see.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping, Sequence
+import dataclasses
+from collections.abc import Callable, Collection, Mapping, Sequence
 
 import numpy as np
 import onnx_ir as ir
 import onnxruntime as ort
 
 
+@dataclasses.dataclass(frozen=True)
+class ShapeCut:
+    """A ``Shape``/``Size`` of an intermediate value whose inferred shape names only static
+    sizes and dims of graph inputs: an evaluation is fed its vector (:meth:`vector`) at
+    ``value`` instead of running everything that value is computed from.
+
+    Why: transformers 4.x slices a layer's mask to ``key_states.shape[-2]``, so the mask of
+    layer ``l`` reads (by shape) the key of layer ``l``, computed from the output of every layer
+    before it. Evaluating that region runs the whole prefix of the model for each layer
+    (quadratic in depth) and, once an earlier layer is GroupQueryAttention, fails at probes
+    ORT CPU's GQA refuses (batch > 1 chunked prefill). The key's inferred shape, e.g.
+    ``[batch_size, 2, sequence_length, 32]``, already says which input dims it is.
+    """
+
+    value: ir.Value
+    dims: tuple[int | tuple[str, int], ...]  # a static size, or (graph input name, axis)
+    size: bool = False  # Size: the product of the dims
+    start: int | None = None  # Shape's start/end attributes (opset 15)
+    end: int | None = None
+
+    def vector(self, shape_of: Callable[[str], Sequence[int] | None]) -> np.ndarray | None:
+        """The cut's value when graph input ``name`` is fed with shape ``shape_of(name)``."""
+        sizes = []
+        for d in self.dims:
+            if isinstance(d, int):
+                sizes.append(d)
+                continue
+            shape = shape_of(d[0])
+            if shape is None:
+                return None
+            sizes.append(int(shape[d[1]]))
+        if self.size:
+            return np.asarray(int(np.prod(sizes, dtype=np.int64)), dtype=np.int64)
+        return np.asarray(sizes[slice(self.start, self.end)], dtype=np.int64)
+
+
+def _shape_cut(node: ir.Node, dim_sources: Mapping[str, tuple[str, int]]) -> ShapeCut | None:
+    src = node.inputs[0] if node.inputs else None
+    if src is None or src.is_graph_input() or src.shape is None:
+        return None
+    dims: list[int | tuple[str, int]] = []
+    for d in src.shape:
+        if isinstance(d, int):
+            dims.append(d)
+        elif isinstance(d, ir.SymbolicDim) and d.value in dim_sources:
+            dims.append(dim_sources[d.value])
+        else:
+            return None
+    start = end = None
+    if node.op_type == "Shape":
+        start_attr, end_attr = node.attributes.get("start"), node.attributes.get("end")
+        start = start_attr.as_int() if start_attr is not None else None
+        end = end_attr.as_int() if end_attr is not None else None
+    return ShapeCut(node.outputs[0], tuple(dims), node.op_type == "Size", start, end)
+
+
+def _dim_sources(graph: ir.Graph) -> dict[str, tuple[str, int]]:
+    """Each symbolic dim name of ``graph``'s inputs -> the first (input, axis) carrying it."""
+    sources: dict[str, tuple[str, int]] = {}
+    for value in graph.inputs:
+        for axis, d in enumerate(value.shape or ()):
+            if isinstance(d, ir.SymbolicDim) and d.value and d.value not in sources:
+                sources[d.value] = (value.name, axis)
+    return sources
+
+
 def value_dependencies(
-    value: ir.Value, cut: Collection[ir.Value] = ()
+    value: ir.Value,
+    cut: Collection[ir.Value] = (),
+    *,
+    shape_cuts: tuple[ir.Graph, list[ShapeCut]] | None = None,
 ) -> tuple[set[ir.Value], set[ir.Value]]:
     """(graph inputs read by value, graph inputs read only through their shape).
 
     Values in ``cut`` count as inputs (an evaluation fed there, e.g. positions the graph
     computes from the cache length).
+
+    ``shape_cuts=(graph, cuts)``: a ``Shape``/``Size`` whose source's inferred shape is made
+    of static sizes and ``graph``'s input dims (see :class:`ShapeCut`) is appended to
+    ``cuts`` and read as those inputs by shape, its source not walked; the caller evaluates
+    with the cuts as inputs (``SubgraphEvaluator(..., inputs=[..., *cut values])``).
 
     ``Shape`` of an intermediate value reads the inputs that value's *shape* depends on:
     found by :func:`_shape_operands`, which knows which operands of an op decide the output
@@ -38,6 +113,8 @@ def value_dependencies(
     stack = [value]
     shape_stack: list[ir.Value] = []
     cut_ids = {id(v) for v in cut}
+    sources = _dim_sources(shape_cuts[0]) if shape_cuts is not None else {}
+    named = {v.name: v for v in shape_cuts[0].inputs} if shape_cuts is not None else {}
     while stack or shape_stack:
         if shape_stack:
             v = shape_stack.pop()
@@ -68,6 +145,10 @@ def value_dependencies(
         if node is None:
             continue
         if node.op_type in ("Shape", "Size") and node.domain == "":
+            if shape_cuts is not None and (found := _shape_cut(node, sources)) is not None:
+                shape_cuts[1].append(found)
+                by_shape.update(named[d[0]] for d in found.dims if not isinstance(d, int))
+                continue
             src = node.inputs[0]
             if src is not None:
                 shape_stack.append(src)
@@ -180,6 +261,9 @@ class SubgraphEvaluator:
             graph, list(graph.inputs if inputs is None else inputs), list(outputs)
         )
         used = [v for v in sub.inputs if v.uses()]
+        for v in used:
+            if v.type is None:  # a ShapeCut's Shape/Size output a rule made without a type
+                v.type = ir.TensorType(ir.DataType.INT64)
         sub.inputs.clear()
         sub.inputs.extend(used)
         float32_boundary(sub)

@@ -25,7 +25,7 @@ import dataclasses
 import numpy as np
 import onnx_ir as ir
 
-from ._evaluate import SubgraphEvaluator, _Unprovable, value_dependencies
+from ._evaluate import ShapeCut, SubgraphEvaluator, _Unprovable, value_dependencies
 from ._graph import attr, input_at
 from .analysis.signature import probe_array
 
@@ -131,7 +131,8 @@ def analyze_mask_value(
 
 
 def _analyze(mask, graph, is_causal, has_past, max_seq_len) -> ProvenMask | str:
-    by_value, _by_shape = value_dependencies(mask)
+    cuts: list[ShapeCut] = []
+    by_value, _by_shape = value_dependencies(mask, shape_cuts=(graph, cuts))
     if len(by_value) != 1:
         names = sorted(v.name or "?" for v in by_value)
         return f"the mask is computed from {names or 'no input'}, not from one 2-D attention mask"
@@ -148,13 +149,17 @@ def _analyze(mask, graph, is_causal, has_past, max_seq_len) -> ProvenMask | str:
     ):
         return f"the mask is computed from {am.name!r}, which is not a 2-D integer attention mask"
     try:
-        evaluator = SubgraphEvaluator(graph, [mask])
+        evaluator = SubgraphEvaluator(
+            graph, [mask], inputs=[*graph.inputs, *(c.value for c in cuts)]
+        )
     except Exception as err:
         return f"the mask subgraph could not be evaluated ({type(err).__name__})"
     probes = _probes(max_seq_len)
     observed = []
     for batch, seq, past, lengths in probes:
-        allowed = _run_probe(evaluator, graph, am, batch, seq, past, lengths, is_causal, has_past)
+        allowed = _run_probe(
+            evaluator, graph, cuts, am, batch, seq, past, lengths, is_causal, has_past
+        )
         if isinstance(allowed, str):
             return allowed
         observed.append(((batch, seq, past, lengths), allowed))
@@ -180,11 +185,25 @@ def _analyze(mask, graph, is_causal, has_past, max_seq_len) -> ProvenMask | str:
     return "the mask is not causal + padding (with or without one sliding window)"
 
 
-def _run_probe(evaluator, graph, am, batch, seq, past, lengths, is_causal, has_past):
+def _run_probe(evaluator, graph, cuts, am, batch, seq, past, lengths, is_causal, has_past):
     """The effective (batch, seq, total) visibility of one probe, or why it is unusable."""
     inputs = {v.name: v for v in graph.inputs}
+    by_cut = {c.value.name: c for c in cuts}
+
+    def shape_of(name: str):
+        if inputs[name] is am:
+            return (batch, past + seq)
+        array = probe_array(inputs[name], am, batch, seq, past)
+        return None if array is None else array.shape
+
     feeds = {}
     for name in evaluator.input_names:
+        if name in by_cut:
+            vector = by_cut[name].vector(shape_of)
+            if vector is None:
+                return f"cannot size the shape {name!r} reads to probe the mask"
+            feeds[name] = vector
+            continue
         value = inputs[name]
         if value is am:
             rows = np.arange(past + seq)[None, :] < np.asarray(lengths)[:, None]

@@ -51,11 +51,15 @@ EXPECTED.update(
         "gemma3": ((0, 0, 0, 0), (W, None, W, None), 0.0),
         "olmo": ((1, 1), (None, None), 0.0),  # weightless LayerNorm, clip_qkv
         "gemma": ((0, 0), (None, None), 0.0),  # Gemma 1: no position_ids input, as Gemma-2/3
+        # transformers 4.57 slices their masks to key_states.shape[-2]: layer 1's mask reads
+        # layer 0's output by shape (cut at the key's inferred shape, mask_analysis).
+        "stablelm": ((1, 1), (None, None), 0.0),  # partial rotary, LayerNorm, biases
+        "nemotron": ((0, 0), (None, None), 0.0),  # no position_ids input, as Gemma
     }
 )
 # Not in optimum-onnx 0.1.0 (main_export: "Trying to export a olmo3 model, that is a custom or
 # unsupported architecture, but no custom onnx configuration was passed"): OLMo-3, Ernie 4.5,
-# HunYuan dense. Nemotron exports, but its attention is not lifted (README, Exporters).
+# HunYuan dense.
 INTERLEAVED = {"cohere"}
 # Optimum's Phi config reads no num_key_value_heads (its dummy past has num_attention_heads
 # heads), so Phi-2 is exported as the multi-head model Phi-2 is.
