@@ -19,6 +19,9 @@ of two forms that epfuse must rewrite:
   (``"scores"``, HF eager) + an additive ``Where(mask, 0, finfo.min)`` mask, Softmax, the
   NaN guard ``Where(IsNaN(P), 0, P)`` and MatMul(P, V). K^T is torch's
   Reshape/Transpose/Reshape (``k_transpose="reshape"``) or ``Transpose(perm=[0,1,3,2])``.
+  ``mask_slice`` slices each layer's mask to its repeated key's length, as transformers 4.x's
+  sdpa attention does (``attention_mask[:, :, :, : key_states.shape[-2]]``): the mask of layer
+  ``l`` then reads, by shape, a key computed from every earlier layer's output.
 - ``style="mobius"`` is the form onnxruntime/mobius's builder emits: constant cos/sin caches
   indexed by ``position_ids``, 3-D (B, S, N*H) q/k/v, and one ``Attention`` that takes the past
   K/V, groups KV heads itself (``q_num_heads``/``kv_num_heads``) and produces the present K/V
@@ -98,6 +101,7 @@ class DecoderConfig:
     qkv_bias: bool = False  # Qwen2: bias Add after the q/k/v projections
     scale_form: str = "split"  # torch18: "split" (sqrt(s) on Q and K^T) | "scores" (s on QK^T)
     k_transpose: str = "reshape"  # torch18: "reshape" (torch's 3-D form) | "perm" (Transpose)
+    mask_slice: bool = False  # torch18: the mask sliced to Shape(repeated K)[-2] per layer
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -127,6 +131,8 @@ class DecoderConfig:
             raise ValueError("scale_form must be 'split' or 'scores'")
         if self.k_transpose not in ("reshape", "perm"):
             raise ValueError("k_transpose must be 'reshape' or 'perm'")
+        if self.mask_slice and self.style != "torch18":
+            raise ValueError("mask_slice is built in the torch18 style only")
 
     @property
     def sections(self) -> tuple[int, int, int]:
@@ -514,7 +520,17 @@ def _build_torch23(b: _GraphBuilder, cfg: DecoderConfig) -> None:
             cap = const_f(cfg.softcap)
             capped = b.op("Tanh", [b.op("Div", [scores, cap], "qk_div")], "qk_tanh")
             scores = b.op("Mul", [capped, cap], "qk_cap")
-        scores = b.op("Add", [scores, fmask], "scores")
+        mask = fmask
+        if cfg.mask_slice:  # transformers 4.x: attention_mask[:, :, :, : key_states.shape[-2]]
+            key_len = b.op(
+                "Gather",
+                [b.op("Shape", [k], "k_len_shape"), b.ints(-2, scalar=True)],
+                "k_len",
+                axis=0,
+            )
+            key_len = b.op("Unsqueeze", [key_len, b.ints(0)], "k_len_1d")
+            mask = b.op("Slice", [fmask, b.ints(0), key_len, b.ints(3), b.ints(1)], "mask_sliced")
+        scores = b.op("Add", [scores, mask], "scores")
         p = b.op("Softmax", [scores], "probs", axis=-1)
         p = b.op("Where", [b.op("IsNaN", [p], "probs_nan"), zero_f, p], "probs_safe")
         return b.op("MatMul", [p, v], "sdpa")

@@ -92,3 +92,49 @@ def test_no_mask_input():
     model, node = _first_attention(DecoderConfig(style="mobius"))
     node.replace_input_with(3, None)
     assert "no attention-mask input" in _analyze(model, node)
+
+
+def _canonical(cfg):
+    from epfuse.capabilities.registry import get_ep
+    from epfuse.optimizer.manager import PassManager
+    from epfuse.patterns import OptimizeOptions
+
+    model = ir.from_proto(build_decoder(cfg))
+    PassManager().canonicalize(model, get_ep("cpu"), "float32", OptimizeOptions())
+    return model, [n for n in model.graph if n.op_type == "Attention"]
+
+
+def test_mask_sliced_to_a_later_layers_key_is_cut_at_the_keys_shape():
+    """transformers 4.x slices each layer's mask to key_states.shape[-2]: the last layer's mask
+    reads, by shape, a key computed from both earlier layers. Its Shape is fed from the key's
+    inferred shape (a ShapeCut), so the proof reads only attention_mask by value and runs no
+    earlier layer; without that inferred shape the mask stays unproven."""
+    from epfuse.patterns._evaluate import value_dependencies
+
+    model, attentions = _canonical(DecoderConfig(style="torch18", mask_slice=True, layers=3))
+    last = attentions[-1]
+    cuts = []
+    by_value, _ = value_dependencies(last.inputs[3], shape_cuts=(model.graph, cuts))
+    assert [v.name for v in by_value] == ["attention_mask"]
+    key_cuts = [c for c in cuts if c.value.producer().inputs[0].producer().op_type != "Shape"]
+    assert key_cuts and all(not isinstance(d, int) for c in key_cuts for d in c.dims[:1])
+    result = _analyze(model, last)
+    assert isinstance(result, ProvenMask) and result.kind == "causal_padding", result
+
+    for cut in key_cuts:  # the key's shape unknown: evaluated through layers 0 and 1, refused
+        source = cut.value.producer().inputs[0]
+        source.shape = ir.Shape([None] * len(source.shape))
+    result = _analyze(model, last)
+    assert isinstance(result, str) and "not from one 2-D attention mask" in result
+
+
+def test_shape_cut_vector_reads_input_dims_start_end_and_size():
+    from epfuse.patterns._evaluate import ShapeCut
+
+    shapes = {"input_ids": (3, 7), "past": (3, 2, 5, 16)}
+    dims = (("input_ids", 0), 2, ("past", 2), 16)
+    cut = ShapeCut(ir.Value(name="s"), dims)
+    assert cut.vector(shapes.get).tolist() == [3, 2, 5, 16]
+    assert ShapeCut(ir.Value(name="s"), dims, start=2, end=-1).vector(shapes.get).tolist() == [5]
+    assert ShapeCut(ir.Value(name="s"), dims, size=True).vector(shapes.get) == 3 * 2 * 5 * 16
+    assert ShapeCut(ir.Value(name="s"), (("missing", 0),)).vector(shapes.get) is None

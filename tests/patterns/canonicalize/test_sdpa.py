@@ -243,6 +243,9 @@ BUILDER = {
     "softcap-mqa": DecoderConfig(style="torch18", kv_heads=1, softcap=3.0),
     "partial": DecoderConfig(style="torch18", head_dim=32, rotary_dim=16),
     "window": DecoderConfig(style="torch18", sliding_window=4),
+    # transformers 4.x's mask slice to the repeated key's length: each later layer's mask reads
+    # the earlier layers' outputs by shape (cut at the key's inferred shape)
+    "mask-slice": DecoderConfig(style="torch18", mask_slice=True, layers=3),
     "mha": DecoderConfig(style="torch18", kv_heads=4, layers=1),
     "interleaved": DecoderConfig(style="torch18", interleaved=True),
     "partial-interleaved": DecoderConfig(
