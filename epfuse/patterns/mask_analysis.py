@@ -4,7 +4,9 @@ Exporters build the attention mask from the 2-D ``attention_mask`` input with do
 ops (And/LessOrEqual/GatherND/Expand at opset 23, Where/arithmetic forms at opset 18). Rather
 than match each form, the mask subgraph is checked to read graph inputs only as allowed (one
 rank-2 integer input by value; everything else only through its shape) and is then *run* on a
-grid of shapes and right-padded masks. The grid includes decode steps whose total length
+grid of shapes and right-padded masks. A ``Shape`` of an intermediate value whose inferred
+shape is static sizes and input dims is fed from those dims (``_evaluate.ShapeCut``): the
+mask is evaluated, not the layers a key it is sliced to is computed from. The grid includes decode steps whose total length
 reaches ``max_seq_len``, so a sliding window anywhere in the supported context is seen.
 
 The effective mask (the mask input combined with the ``is_causal`` attribute) must match,
