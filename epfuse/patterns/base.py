@@ -14,7 +14,9 @@ is there but malformed); ``check(match, ctx)`` holds the proofs (EP capabilities
 evaluations) and returns a ``Kept`` or ``None``; ``rewrite(match, ctx)`` edits the graph and
 returns ``Rewritten``. Only ``rewrite`` may modify the graph: checks come first.
 A rule declares itself in its class header, ``class X(Rule, name=..., stage=..., anchor=...,
-emits=...)``, its docstring's first paragraph being the description the report lists.
+emits=..., benefit=...)``, its docstring's first paragraph being the description the report
+lists; a module of ``canonicalize``, ``lower`` or ``legalize`` that defines it is all it takes
+to be in ``RULES`` (``epfuse.patterns.discover_rules``).
 Each lowering rule declares ``emits`` — the capabilities (``epfuse.capabilities.emissions``,
 the one emission table) its output needs of the EP for the model's dtype; ``requires()``
 derives from it, so the pass manager can select rules by capability and say why one was not
@@ -168,6 +170,10 @@ class Rule:
     emits: ClassVar[tuple[Capability, ...]] = ()
     """Capabilities every output of the rule needs (features it adds only to some nodes, e.g.
     GQA's softcap, are checked per node in ``check``)."""
+    benefit: ClassVar[int] = 1
+    """Among the rules of one stage anchored on one op, those of higher benefit are offered a
+    node first (MLIR's PatternBenefit); equal benefits go by name. Raise it only where one
+    rule's rewrite would hide another's shape, and say so where it is declared."""
 
     def __init_subclass__(
         cls,
@@ -176,6 +182,7 @@ class Rule:
         stage: Stage | None = None,
         anchor: str | tuple[str, str] | None = None,
         emits: tuple[Capability, ...] | None = None,
+        benefit: int | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init_subclass__(**kwargs)
@@ -187,6 +194,8 @@ class Rule:
             cls.anchor = ("", anchor) if isinstance(anchor, str) else tuple(anchor)
         if emits is not None:
             cls.emits = tuple(emits)
+        if benefit is not None:
+            cls.benefit = benefit
         if "description" not in cls.__dict__ and cls.__doc__:
             cls.description = _first_paragraph(cls.__doc__)
 

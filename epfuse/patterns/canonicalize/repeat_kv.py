@@ -57,7 +57,15 @@ def _unrepeat(value: ir.Value) -> tuple[ir.Value, int] | str | None:
     return kv, repeats
 
 
-class RemoveRepeatKV(Rule, name="remove-repeat-kv", stage=Stage.CANONICALIZE, anchor="Attention"):
+class RemoveRepeatKV(
+    Rule,
+    name="remove-repeat-kv",
+    stage=Stage.CANONICALIZE,
+    anchor="Attention",
+    # Before kv-concat-to-attention-past: removing the repeat exposes the Concat(past, new)
+    # that rule matches on the same Attention, so both land in one sweep.
+    benefit=2,
+):
     """K/V repeated to the query head count -> grouped KV heads in Attention"""
 
     def match(self, node: ir.Node, ctx: RewriteContext):

@@ -114,6 +114,9 @@ class SkipRMSNormFusion(
     name="skip-simplified-layer-norm",
     anchor="RMSNormalization",
     emits=(Capability.SKIP_SIMPLIFIED_LAYER_NORM,),
+    # Before rms-norm-to-simplified-layer-norm: renaming the norm first hides the
+    # residual Add + RMSNormalization pair from this fusion.
+    benefit=2,
 ):
     """residual Add + RMSNormalization -> SkipSimplifiedLayerNormalization"""
 

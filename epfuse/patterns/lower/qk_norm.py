@@ -161,6 +161,8 @@ class QKNormIntoGQA(
     stage=Stage.LOWER,
     anchor=("com.microsoft", "GroupQueryAttention"),
     emits=(Capability.GQA_QK_NORM,),
+    # Before pack-qkv: packing merges the q and k inputs the norms are read from.
+    benefit=2,
 ):
     """per-head q/k RMSNorm ahead of GQA -> q_norm_weight/k_norm_weight"""
 
