@@ -72,6 +72,7 @@ from .._graph import (
 )
 from .._opset import require_default_opset
 from ..base import Kept, RewriteContext, Rewritten, Rule, Stage
+from ..matcher import ANY, Const, In, Ints, Match, Or, Pattern, Var, match, op
 from ..reasons import ReasonCode
 from .rope_caches import RopeCosSinToCaches, find_freqs, full_width_caches, table_caches
 
@@ -149,30 +150,6 @@ def static_last(value: ir.Value) -> int | None:
     return max(0, min(end, width) - max(0, min(start, width)))
 
 
-def _rotate_half_source(rotated: ir.Value, chain: list[ir.Node]) -> ir.Value | None:
-    """x when ``rotated = Concat(Neg(x[..., D/2:]), x[..., :D/2])`` on the last axis."""
-    concat = producer(rotated, "Concat")
-    if concat is None or len(concat.inputs) != 2 or attr(concat, "axis") not in (-1, 3):
-        return None
-    neg = producer(concat.inputs[0], "Neg")
-    second = producer(neg.inputs[0], "Slice") if neg else None
-    first = producer(concat.inputs[1], "Slice")
-    if second is None or first is None or second.inputs[0] is not first.inputs[0]:
-        return None
-    x = first.inputs[0]
-    width = static_last(x)
-    if x.shape is None or len(x.shape) != 4 or width is None or width % 2:
-        return None
-    half = width // 2
-    if _last_axis_slice(first, x, 4) not in ((0, half),):
-        return None
-    got = _last_axis_slice(second, x, 4)
-    if got is None or got[0] not in (half, half - width) or got[1] < width:
-        return None
-    chain.extend([concat, neg, second, first])
-    return x
-
-
 def _strided_slice(node: ir.Node | None, rank: int) -> tuple[ir.Value, int] | None:
     """(x, start) of ``Slice(x, start, >= end, axes=[-1], steps=[2])``."""
     if node is None or node.op_type != "Slice":
@@ -191,47 +168,6 @@ def _strided_slice(node: ir.Node | None, rank: int) -> tuple[ir.Value, int] | No
 def _accepts(term, allowed, allowzero: int) -> bool:
     """A Reshape target entry that keeps an axis: 0 (copy), or the same run-time term."""
     return (term == 0 and not allowzero) or term in allowed
-
-
-def _interleaved_source(rotated: ir.Value, chain: list[ir.Node]) -> ir.Value | None:
-    """x when ``rotated = Reshape(Concat(Unsqueeze(-x[..., 1::2], -1), Unsqueeze(x[..., ::2],
-    -1), axis=-1), [B, N, S, D])``: GPT-J / Cohere ``rotate_every_two``, which pairs
-    (x[2i], x[2i+1]) -- ONNX RotaryEmbedding's ``interleaved=1``."""
-    reshape = producer(rotated, "Reshape")
-    concat = producer(reshape.inputs[0], "Concat") if reshape else None
-    if concat is None or len(concat.inputs) != 2 or attr(concat, "axis") not in (-1, 4):
-        return None
-    unsq_neg, unsq_x = (
-        producer(concat.inputs[0], "Unsqueeze"),
-        producer(concat.inputs[1], "Unsqueeze"),
-    )
-    if unsq_neg is None or unsq_x is None:
-        return None
-    if const_ints(input_at(unsq_neg, 1)) not in ([-1], [4]):
-        return None
-    if const_ints(input_at(unsq_x, 1)) not in ([-1], [4]):
-        return None
-    neg = producer(unsq_neg.inputs[0], "Neg")
-    odd = _strided_slice(producer(neg.inputs[0], "Slice"), 4) if neg else None
-    even = _strided_slice(producer(unsq_x.inputs[0], "Slice"), 4)
-    if odd is None or even is None or odd[0] is not even[0] or (even[1], odd[1]) != (0, 1):
-        return None
-    x = even[0]
-    width = static_last(x)
-    if x.shape is None or len(x.shape) != 4 or width is None or width % 2:
-        return None
-    target = shape_vector(reshape.inputs[1])
-    allowzero = attr(reshape, "allowzero", 0)
-    if target is None or len(target) != 4 or target.count(-1) > 1:
-        return None
-    for axis in range(3):
-        if not _accepts(target[axis], (dim(x, axis), -1), allowzero):
-            return None
-    if target[3] not in (width, -1):
-        return None
-    chain.extend([reshape, concat, unsq_neg, unsq_x, neg, neg.inputs[0].producer()])
-    chain.append(unsq_x.inputs[0].producer())
-    return x
 
 
 def _repeat_interleave_source(value: ir.Value) -> ir.Value | None:
@@ -261,54 +197,141 @@ def _repeat_interleave_source(value: ir.Value) -> ir.Value | None:
     return f
 
 
-def _unsqueezed_heads(value: ir.Value, chain: list[ir.Node]) -> ir.Value | None:
-    """c (B, S, D) when ``value = Unsqueeze(c, [1])`` (broadcast over heads)."""
-    unsq = producer(value, "Unsqueeze")
-    if unsq is None or const_ints(input_at(unsq, 1)) not in ([1], [-3]):
-        return None
-    c = unsq.inputs[0]
-    if c.shape is not None and len(c.shape) != 3:
-        return None  # (an unknown shape is settled on the half, which must be rank 3)
-    chain.append(unsq)
-    return c
+# ---------------------------------------------------------------- the declared shape
+# x * cos4 + rotated * sin4, every product and the sum in either operand order; what the
+# op trees cannot say (slice bounds, widths, Reshape targets) the checks below say.
+
+_X = Var("x")
+
+_ROTATE_HALF = op.Concat(
+    op.Neg(op.Slice(_X, extra_inputs=True, bind="second")),
+    op.Slice(_X, extra_inputs=True, bind="first"),
+    axis=In(-1, 3),
+)
+"""``Concat(Neg(x[..., D/2:]), x[..., :D/2])`` on the last axis."""
+
+_ROTATE_EVERY_TWO = op.Reshape(
+    op.Concat(
+        op.Unsqueeze(op.Neg(op.Slice(_X, extra_inputs=True, bind="odd")), Ints([-1], [4])),
+        op.Unsqueeze(op.Slice(_X, extra_inputs=True, bind="even"), Ints([-1], [4])),
+        axis=In(-1, 4),
+    ),
+    ANY,
+    bind="rotated",
+)
+"""``Reshape(Concat(Unsqueeze(-x[..., 1::2], -1), Unsqueeze(x[..., ::2], -1), axis=-1),
+[B, N, S, D])``: GPT-J / Cohere ``rotate_every_two``, which pairs (x[2i], x[2i+1]) -- ONNX
+RotaryEmbedding's ``interleaved=1``."""
 
 
-def _heads_then_repeated(value: ir.Value, chain: list[ir.Node]) -> ir.Value | None:
-    """c (B, S, D) when ``value = repeat_interleave(Unsqueeze(c, [1])[..., :D/2], 2)``:
+def _rank3_or_unknown(value: ir.Value) -> bool:
+    # (an unknown shape is settled on the half, which must be rank 3)
+    return value.shape is None or len(value.shape) == 3
+
+
+def _trig_factor(name: str) -> Pattern:
+    """cos4/sin4: ``Unsqueeze(c, [1])`` (broadcast over heads), or GLM's and Ernie 4.5's
+    ``repeat_interleave(Unsqueeze(c, [1])[..., :D/2], 2)``:
     ``Reshape(Expand(Unsqueeze(Slice(Unsqueeze(c, 1), 0, D/2, axis -1), -1), [1,1,1,1,2]),
-    [B, 1, S, D])``, GLM's and Ernie 4.5's interleaved form (the halves of a rotate-half cos
-    are repeated pairwise *after* the head axis is added). The rotation then reads the first
-    half of c, which the caller proves to be one of two equal halves."""
-    reshape = producer(value, "Reshape")
-    expand = producer(reshape.inputs[0], "Expand") if reshape else None
-    unsq = producer(expand.inputs[0], "Unsqueeze") if expand else None
-    if unsq is None or const_ints(input_at(unsq, 1)) not in ([-1], [4]):
-        return None
-    first = producer(unsq.inputs[0], "Slice")
-    heads = producer(first.inputs[0], "Unsqueeze") if first else None
-    if heads is None or const_ints(input_at(heads, 1)) not in ([1], [-3]):
-        return None
-    c = heads.inputs[0]
-    width = static_last(c)
-    if c.shape is None or len(c.shape) != 3 or width is None or width % 2:
-        return None
-    if _last_axis_slice(first, heads.outputs[0], 4) != (0, width // 2):
-        return None
-    repeat = const_ints(expand.inputs[1])
-    if repeat is None or len(repeat) > 5 or repeat[-1] != 2 or any(r != 1 for r in repeat[:-1]):
-        return None
-    target = shape_vector(reshape.inputs[1])
+    [B, 1, S, D])`` (the halves of a rotate-half cos are repeated pairwise *after* the head
+    axis is added; the rotation then reads the first half of c, which ``check`` proves to be
+    one of two equal halves). c is bound to ``name``."""
+    c = Var(name, check=_rank3_or_unknown)
+    heads = op.Unsqueeze(c, Ints([1], [-3]), bind=f"{name}/heads")
+    repeated = op.Reshape(
+        op.Expand(
+            op.Unsqueeze(op.Slice(heads, extra_inputs=True, bind=f"{name}/first"), Ints([-1], [4])),
+            Const(_pair_repeat, name=f"{name}/repeat"),
+            bind=f"{name}/expand",
+        ),
+        ANY,
+        bind=f"{name}/repeated",
+    )
+    return Or(heads, repeated)
+
+
+def _pair_repeat(repeat: np.ndarray) -> bool:
+    values = [int(r) for r in repeat.reshape(-1)]
+    return (
+        repeat.dtype.kind in "iu"
+        and len(values) <= 5
+        and values[-1:] == [2]
+        and all(r == 1 for r in values[:-1])
+    )
+
+
+_ROPE = op.Add(
+    op.Mul(_X, _trig_factor("cos_full"), commute=True),
+    op.Mul(Or(_ROTATE_HALF, _ROTATE_EVERY_TWO), _trig_factor("sin_full"), commute=True),
+    commute=True,
+)
+
+
+def _valid(m: Match) -> bool:
+    """What the op trees leave to say: the rotated width, slice bounds and Reshape targets,
+    and that cos and sin take the same form (GLM's pairwise halves only when interleaved)."""
+    x = m["x"]
+    width = static_last(x)
+    if x.shape is None or len(x.shape) != 4 or width is None or width % 2:
+        return False
+    interleaved = "rotated" in m
+    if interleaved:
+        odd, even = _strided_slice(m.node("odd"), 4), _strided_slice(m.node("even"), 4)
+        if odd is None or even is None or (even[1], odd[1]) != (0, 1):
+            return False
+        if not _reshape_keeps(m.node("rotated"), x, 3) or _target(m.node("rotated"))[3] not in (
+            width,
+            -1,
+        ):
+            return False
+    else:
+        half = width // 2
+        if _last_axis_slice(m.node("first"), x, 4) != (0, half):
+            return False
+        got = _last_axis_slice(m.node("second"), x, 4)
+        if got is None or got[0] not in (half, half - width) or got[1] < width:
+            return False
+    halves = ["cos_full/repeated" in m, "sin_full/repeated" in m]
+    if halves not in ([False, False], [True, True]) or (halves[0] and not interleaved):
+        return False
+    if halves[0]:
+        for name in ("cos_full", "sin_full"):
+            if not _repeated_halves(m, name):
+                return False
+    return True
+
+
+def _target(reshape: ir.Node) -> list | None:
+    return shape_vector(reshape.inputs[1])
+
+
+def _reshape_keeps(reshape: ir.Node, x: ir.Value, axes: int, *others: ir.Value) -> bool:
+    """The Reshape's target is 4-D and keeps the first ``axes`` axes of ``x`` (0 to copy, the
+    same run-time dim, or the one -1; ``others``' dims are the same axes seen elsewhere)."""
+    target = _target(reshape)
     allowzero = attr(reshape, "allowzero", 0)
     if target is None or len(target) != 4 or target.count(-1) > 1:
-        return None
-    for axis in range(3):
-        allowed = (dim(heads.outputs[0], axis), dim(expand.outputs[0], axis), -1)
-        if not _accepts(target[axis], allowed, allowzero):
-            return None
-    if target[3] not in (width, -1):
-        return None
-    chain.extend([reshape, expand, unsq, first, heads])
-    return c
+        return False
+    return all(
+        _accepts(target[axis], (dim(x, axis), *(dim(o, axis) for o in others), -1), allowzero)
+        for axis in range(axes)
+    )
+
+
+def _repeated_halves(m: Match, name: str) -> bool:
+    """GLM's pairwise-repeated first half: c (B, S, D) with D even, the Slice its first half,
+    the Reshape back to (B, 1, S, D)."""
+    c, heads = m[name], m.node(f"{name}/heads")
+    width = static_last(c)
+    if c.shape is None or len(c.shape) != 3 or width is None or width % 2:
+        return False
+    if _last_axis_slice(m.node(f"{name}/first"), heads.outputs[0], 4) != (0, width // 2):
+        return False
+    reshape = m.node(f"{name}/repeated")
+    expand = m.node(f"{name}/expand")
+    if not _reshape_keeps(reshape, heads.outputs[0], 3, expand.outputs[0]):
+        return False
+    return _target(reshape)[3] in (width, -1)
 
 
 def same_computation(a: ir.Value, b: ir.Value, depth: int = 0) -> bool:
@@ -701,40 +724,13 @@ class RotateHalfToRotaryEmbedding(
 
     @staticmethod
     def _match(node: ir.Node):
-        if len(node.inputs) != 2:
+        """(x, cos_full, sin_full, matched nodes, interleaved, halves) of ``_ROPE`` at
+        ``node``, or None (the GQA lowering reads it to say why arithmetic RoPE stays)."""
+        m = match(_ROPE, node, where=_valid)
+        if m is None:
             return None
-        for a, b in ((0, 1), (1, 0)):
-            sin_mul = producer(node.inputs[b], "Mul")
-            cos_mul = producer(node.inputs[a], "Mul")
-            if sin_mul is None or cos_mul is None:
-                continue
-            for i, j in ((0, 1), (1, 0)):
-                chain = [node, sin_mul, cos_mul]
-                interleaved = False
-                x = _rotate_half_source(sin_mul.inputs[i], chain)
-                if x is None:
-                    interleaved = True
-                    x = _interleaved_source(sin_mul.inputs[i], chain)
-                if x is None:
-                    continue
-                sin4 = sin_mul.inputs[j]
-                if cos_mul.inputs[0] is x:
-                    cos4 = cos_mul.inputs[1]
-                elif cos_mul.inputs[1] is x:
-                    cos4 = cos_mul.inputs[0]
-                else:
-                    continue
-                cos_full = _unsqueezed_heads(cos4, chain)
-                sin_full = _unsqueezed_heads(sin4, chain)
-                halves = False
-                if interleaved and cos_full is None and sin_full is None:
-                    cos_full = _heads_then_repeated(cos4, chain)
-                    sin_full = _heads_then_repeated(sin4, chain)
-                    halves = True
-                if cos_full is None or sin_full is None:
-                    continue
-                return x, cos_full, sin_full, chain, interleaved, halves
-        return None
+        interleaved, halves = "rotated" in m, "cos_full/repeated" in m
+        return m["x"], m["cos_full"], m["sin_full"], m.nodes, interleaved, halves
 
     @staticmethod
     def _partial(node: ir.Node, x: ir.Value):

@@ -1,0 +1,303 @@
+"""Declared matches: op trees that bind values, matched around one anchor node.
+
+Rules used to find their shape by walking ``producer()`` chains by hand, with every
+commutative operand order written out twice. A pattern here says the shape once::
+
+    x = Var("x")
+    rotated = op.Concat(op.Neg(op.Slice(x, ..., bind="second")), op.Slice(x, ...), axis=In(-1, 3))
+    found = match(op.Add(op.Mul(x, Var("cos")), op.Mul(rotated, Var("sin")), commute=True), node)
+
+A :class:`Var` binds the value it meets; meeting it again demands the same value (``x`` above
+is one tensor in the Mul and both Slices). ``commute=True`` tries both operand orders of a
+two-input op, :class:`Or` tries alternatives, :class:`Const` / :func:`Ints` / :func:`Scalar`
+test constants, attribute keywords test attributes (a literal, :class:`In`, or a callable),
+``check=`` tests a matched node, and ``where=`` the whole match. The search backtracks fully:
+a failure anywhere (a later operand, a node check, ``where``) retries the earlier choices,
+so a declared pattern accepts exactly the graphs the written-out loops accepted.
+
+Matching is linear in graph size: it starts at the anchor and only ever steps from a value
+to its producer, so it visits at most the anchor's producer cone to the pattern's depth; its
+cost per anchor depends on the pattern alone (commutative choices and alternatives multiply
+per pattern, not per graph). onnxscript's rewriter offers the same idea; measured on this
+project's rotate-half RoPE it was several times slower per anchor (``docs/architecture.md``,
+"Declared matches"), because it expands each commutative op into whole-pattern copies and
+builds a general match record per try.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import onnx_ir as ir
+
+from ._graph import const_array
+
+Predicate = Callable[[Any], bool]
+
+
+class Pattern:
+    """What a value must be: a :class:`Var`, an op (``op.X(...)``), a constant test or an
+    :class:`Or`."""
+
+    __slots__ = ()
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Var(Pattern):
+    """Any value (``None`` only with ``optional``), bound to ``name``; the same name met
+    twice must be the same value. ``check`` tests the value when it is first bound."""
+
+    name: str | None = None
+    check: Callable[[ir.Value], bool] | None = None
+    optional: bool = False
+
+
+ANY = Var()
+"""Any value, bound to nothing."""
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Const(Pattern):
+    """A constant (initializer or Constant-folded) value whose array satisfies ``test``."""
+
+    test: Callable[[np.ndarray], bool]
+    name: str | None = None
+
+
+def Ints(*options: list[int], name: str | None = None) -> Const:
+    """A constant integer vector equal to one of ``options`` (e.g. ``Ints([-1], [3])``)."""
+    wanted = [list(o) for o in options]
+
+    def test(array: np.ndarray) -> bool:
+        return array.dtype.kind in "iu" and [int(v) for v in array.reshape(-1)] in wanted
+
+    return Const(test, name)
+
+
+def Scalar(test: Callable[[float], bool] | None = None, name: str | None = None) -> Const:
+    """A one-element constant (of any rank), optionally satisfying ``test``."""
+    return Const(lambda a: a.size == 1 and (test is None or test(float(a.reshape(-1)[0]))), name)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Or(Pattern):
+    """The first of ``alternatives`` that matches (the others are tried on backtracking)."""
+
+    alternatives: tuple[Pattern, ...]
+
+    def __init__(self, *alternatives: Pattern) -> None:
+        object.__setattr__(self, "alternatives", alternatives)
+
+
+@dataclasses.dataclass(frozen=True)
+class In:
+    """An attribute predicate: the attribute's value is one of ``values``."""
+
+    values: tuple[Any, ...]
+
+    def __init__(self, *values: Any) -> None:
+        object.__setattr__(self, "values", values)
+
+    def __call__(self, value: Any) -> bool:
+        return value in self.values
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class OpPattern(Pattern):
+    """A value that is output ``output`` of a ``domain::op_type`` node whose inputs match
+    ``inputs`` (more node inputs only with ``extra_inputs``; missing trailing inputs match
+    only optional Vars) and whose attributes pass ``attributes``. ``bind`` names the node."""
+
+    op_type: str
+    inputs: tuple[Pattern, ...]
+    attributes: tuple[tuple[str, Any], ...] = ()
+    domain: str = ""
+    commute: bool = False
+    bind: str | None = None
+    output: int = 0
+    extra_inputs: bool = False
+    check: Callable[[ir.Node], bool] | None = None
+
+
+class _Ops:
+    """``op.Add(a, b, commute=True, bind="add", axis=In(-1, 3))`` builds an OpPattern; the
+    keywords ``domain``, ``commute``, ``bind``, ``output``, ``extra_inputs`` and ``check`` are
+    the pattern's own, every other keyword tests the attribute of that name."""
+
+    def __getattr__(self, op_type: str) -> Callable[..., OpPattern]:
+        def build(
+            *inputs: Pattern,
+            domain: str = "",
+            commute: bool = False,
+            bind: str | None = None,
+            output: int = 0,
+            extra_inputs: bool = False,
+            check: Callable[[ir.Node], bool] | None = None,
+            **attributes: Any,
+        ) -> OpPattern:
+            if commute and len(inputs) != 2:
+                raise ValueError(f"commute needs two inputs, {op_type} has {len(inputs)}")
+            return OpPattern(
+                op_type,
+                tuple(inputs),
+                tuple(attributes.items()),
+                "" if domain == "ai.onnx" else domain,
+                commute,
+                bind,
+                output,
+                extra_inputs,
+                check,
+            )
+
+        return build
+
+
+op = _Ops()
+
+
+class Match:
+    """What a match bound: values by Var name (``m["x"]``, ``m.get``), nodes by ``bind`` name
+    (``m.node("concat")``), and every matched node in visiting order (``m.nodes``, the anchor
+    first) -- the chain a rewrite leaves dead."""
+
+    __slots__ = ("_names", "_values", "nodes")
+
+    def __init__(self) -> None:
+        self._values: dict[str, ir.Value | None] = {}
+        self._names: dict[str, ir.Node] = {}
+        self.nodes: list[ir.Node] = []
+
+    def __getitem__(self, name: str) -> ir.Value:
+        return self._values[name]
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._values or name in self._names
+
+    def get(self, name: str) -> ir.Value | None:
+        return self._values.get(name)
+
+    def node(self, name: str) -> ir.Node:
+        return self._names[name]
+
+    def optional_node(self, name: str) -> ir.Node | None:
+        return self._names.get(name)
+
+    def _copy(self) -> Match:
+        out = Match()
+        out._values, out._names, out.nodes = dict(self._values), dict(self._names), list(self.nodes)
+        return out
+
+
+def match(
+    pattern: OpPattern, node: ir.Node, where: Callable[[Match], bool] | None = None
+) -> Match | None:
+    """The first way ``node`` (the anchor) is ``pattern``'s root for which ``where`` holds,
+    or None."""
+    state = Match()
+    for _ in _node(pattern, node, state):
+        if where is None or where(state):
+            return state._copy()
+    return None
+
+
+def match_value(
+    pattern: Pattern, value: ir.Value | None, where: Callable[[Match], bool] | None = None
+) -> Match | None:
+    """The first way ``value`` is ``pattern`` for which ``where`` holds, or None."""
+    state = Match()
+    for _ in _value(pattern, value, state):
+        if where is None or where(state):
+            return state._copy()
+    return None
+
+
+def _value(p: Pattern, value: ir.Value | None, m: Match) -> Iterator[None]:
+    """Each way ``value`` matches ``p``, binding into ``m`` (undone before the next way)."""
+    if isinstance(p, OpPattern):
+        if value is None:
+            return
+        node = value.producer()
+        if node is None or value.index() != p.output:
+            return
+        yield from _node(p, node, m)
+    elif isinstance(p, Var):
+        if value is None and not p.optional:
+            return
+        if p.name is None:
+            if p.check is None or (value is not None and p.check(value)):
+                yield
+            return
+        if p.name in m._values:
+            if m._values[p.name] is value:
+                yield
+            return
+        if p.check is not None and (value is None or not p.check(value)):
+            return
+        m._values[p.name] = value
+        yield
+        del m._values[p.name]
+    elif isinstance(p, Const):
+        array = const_array(value)
+        if array is None or not p.test(array):
+            return
+        if p.name is None:
+            yield
+            return
+        if p.name in m._values:
+            if m._values[p.name] is value:
+                yield
+            return
+        m._values[p.name] = value
+        yield
+        del m._values[p.name]
+    elif isinstance(p, Or):
+        for alternative in p.alternatives:
+            yield from _value(alternative, value, m)
+    else:
+        raise TypeError(f"not a pattern: {p!r}")
+
+
+def _node(p: OpPattern, node: ir.Node, m: Match) -> Iterator[None]:
+    if node.op_type != p.op_type or node.domain not in (p.domain, _alias(p.domain)):
+        return
+    if len(node.inputs) > len(p.inputs) and not p.extra_inputs:
+        return
+    for name, test in p.attributes:
+        attribute = node.attributes.get(name)
+        got = None if attribute is None else attribute.value
+        if not (test(got) if callable(test) else got == test):
+            return
+    if p.check is not None and not p.check(node):
+        return
+    if p.bind is not None:
+        if p.bind in m._names:
+            if m._names[p.bind] is node:
+                yield
+            return
+        m._names[p.bind] = node
+    m.nodes.append(node)
+    inputs = list(node.inputs[: len(p.inputs)])
+    inputs += [None] * (len(p.inputs) - len(inputs))
+    yield from _inputs(p.inputs, inputs, 0, m)
+    if p.commute:
+        yield from _inputs(p.inputs, inputs[::-1], 0, m)
+    m.nodes.pop()
+    if p.bind is not None:
+        del m._names[p.bind]
+
+
+def _inputs(
+    patterns: tuple[Pattern, ...], values: list[ir.Value | None], i: int, m: Match
+) -> Iterator[None]:
+    if i == len(patterns):
+        yield
+        return
+    for _ in _value(patterns[i], values[i], m):
+        yield from _inputs(patterns, values, i + 1, m)
+
+
+def _alias(domain: str) -> str:
+    return "ai.onnx" if domain == "" else domain
