@@ -44,27 +44,38 @@ def assert_prompt_matches_hf(config, exported: onnx.ModelProto, prompt: int) -> 
     """The exported graph is the Hugging Face model of ``config`` (installed transformers):
     logits and presents of a batch-2 first prompt of ``prompt`` tokens, at the fp32
     tolerance. An export without a ``position_ids`` input computes them itself."""
+    assert_matches_hf(config, exported, prompt)
+
+
+def assert_matches_hf(
+    config, exported: onnx.ModelProto, prompt: int, *, decode: bool = False, seed: int = 7
+) -> None:
+    """:func:`assert_prompt_matches_hf`, then (``decode``) one decode step fed the presents
+    the export returned: its logits and presents against Hugging Face's on the same past.
+    Token ids are drawn from ``seed``."""
     from epfuse.testing.hf_export import hf_reference
     from epfuse.tolerances import tolerance_for
 
     tol = tolerance_for("float32")
-    rng = np.random.default_rng(7)
+    rng = np.random.default_rng(seed)
     batch = 2
     names = {i.name for i in exported.graph.input}
     kv = [i for i in exported.graph.input if i.name.startswith("past_key_values")]
     kv_heads, head = (d.dim_value for d in kv[0].type.tensor_type.shape.dim[1::2])
-    positions = np.tile(np.arange(prompt, dtype=np.int64), (batch, 1))
-    feeds = {
-        "input_ids": rng.integers(0, 256, (batch, prompt), dtype=np.int64),
-        "attention_mask": np.ones((batch, prompt), dtype=np.int64),
-    }
-    if "position_ids" in names:
-        feeds["position_ids"] = positions
-    feeds.update({i.name: np.zeros((batch, kv_heads, 0, head), np.float32) for i in kv})
-    got = run_cpu(exported, feeds)
-    want_logits, want_present = hf_reference(
-        config, 0, feeds["input_ids"], feeds["attention_mask"], positions, None
-    )
-    np.testing.assert_allclose(got[0], want_logits, atol=tol.atol, rtol=tol.rtol)
-    for g, w in zip(got[1:], want_present, strict=True):
-        np.testing.assert_allclose(g, w, atol=tol.atol, rtol=tol.rtol)
+    past = [np.zeros((batch, kv_heads, 0, head), np.float32)] * len(kv)
+    hf_past = None  # Hugging Face's first prompt has no cache at all
+    done = 0
+    for new in (prompt, 1) if decode else (prompt,):
+        ids = rng.integers(0, 256, (batch, new), dtype=np.int64)
+        mask = np.ones((batch, done + new), dtype=np.int64)
+        positions = np.tile(np.arange(done, done + new, dtype=np.int64), (batch, 1))
+        feeds = decoder_feeds(exported, ids, mask, positions, past)
+        if "position_ids" not in names:
+            del feeds["position_ids"]
+        got = run_cpu(exported, feeds)
+        want_logits, want_present = hf_reference(config, 0, ids, mask, positions, hf_past)
+        np.testing.assert_allclose(got[0], want_logits, atol=tol.atol, rtol=tol.rtol)
+        for g, w in zip(got[1:], want_present, strict=True):
+            np.testing.assert_allclose(g, w, atol=tol.atol, rtol=tol.rtol)
+        past = hf_past = got[1:]
+        done += new

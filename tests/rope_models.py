@@ -38,3 +38,21 @@ def rope_model(layout: str, rotary: int, interleaved: int) -> onnx.ModelProto:
         initializer=inits,
     )
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23)], ir_version=10)
+
+
+def rotary_feeds(
+    rng: np.random.Generator,
+    x_shape: tuple[int, int, int, int],
+    rotary: int,
+    names: tuple[str, str, str] = ("x", "cos", "sin"),
+) -> dict[str, np.ndarray]:
+    """Random feeds of a rotary over a (B, N, S, H) ``x``: ``x`` standard normal and cos/sin
+    (B, S, rotary / 2) of angles drawn uniformly in [0, 6), under ``names``."""
+    batch, _, seq, _ = x_shape
+    angles = rng.uniform(0, 6, (batch, seq, rotary // 2))
+    x, cos, sin = names
+    return {
+        x: rng.standard_normal(x_shape).astype(np.float32),
+        cos: np.cos(angles).astype(np.float32),
+        sin: np.sin(angles).astype(np.float32),
+    }

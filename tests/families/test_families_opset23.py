@@ -16,16 +16,13 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-import numpy as np
 import onnx
 import pytest
-from export_runs import decoder_feeds, export_and_optimize, run_cpu
+from export_runs import assert_matches_hf, export_and_optimize
 
 import epfuse
 from epfuse.optimizer.verify import assert_equivalent
-from epfuse.testing.hf_export import hf_reference
 from epfuse.testing.hf_families import FAMILIES, SLIDING_WINDOW
-from epfuse.tolerances import tolerance_for
 
 pytestmark = pytest.mark.slow
 
@@ -119,31 +116,7 @@ FAMILY_PARAMS = pytest.mark.parametrize("family", list(FAMILIES), indirect=True)
 def test_export_matches_hugging_face(family):
     """The exported graph itself is the HF model: prompt, then one decode step on its past."""
     name, exported = family
-    config = FAMILIES[name].make_config()
-    tol = tolerance_for("float32")
-    rng = np.random.default_rng(7)
-    batch, layers = 2, sum(i.name.endswith(".key") for i in exported.original.graph.output)
-    kv = next(i for i in exported.original.graph.input if i.name.startswith("past_key_values"))
-    kv_heads, head = (d.dim_value for d in kv.type.tensor_type.shape.dim[1::2])
-    ids = rng.integers(0, 256, (batch, PROMPT), dtype=np.int64)
-    mask = np.ones((batch, PROMPT), dtype=np.int64)
-    pos = np.tile(np.arange(PROMPT, dtype=np.int64), (batch, 1))
-    empty = [np.zeros((batch, kv_heads, 0, head), np.float32)] * (2 * layers)
-    got = run_cpu(exported.original, decoder_feeds(exported.original, ids, mask, pos, empty))
-    ref_logits, ref_present = hf_reference(config, 0, ids, mask, pos, None)
-    np.testing.assert_allclose(got[0], ref_logits, atol=tol.atol, rtol=tol.rtol)
-    for g, r in zip(got[1:], ref_present, strict=True):
-        np.testing.assert_allclose(g, r, atol=tol.atol, rtol=tol.rtol)
-
-    step = rng.integers(0, 256, (batch, 1), dtype=np.int64)
-    mask2 = np.ones((batch, PROMPT + 1), dtype=np.int64)
-    pos2 = np.full((batch, 1), PROMPT, dtype=np.int64)
-    past = got[1:]
-    got2 = run_cpu(exported.original, decoder_feeds(exported.original, step, mask2, pos2, past))
-    ref2_logits, ref2_present = hf_reference(config, 0, step, mask2, pos2, past)
-    np.testing.assert_allclose(got2[0], ref2_logits, atol=tol.atol, rtol=tol.rtol)
-    for g, r in zip(got2[1:], ref2_present, strict=True):
-        np.testing.assert_allclose(g, r, atol=tol.atol, rtol=tol.rtol)
+    assert_matches_hf(FAMILIES[name].make_config(), exported.original, PROMPT, decode=True)
 
 
 @FAMILY_PARAMS

@@ -14,21 +14,28 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
-from export_runs import decoder_feeds, export_and_optimize, run_cpu
+from export_runs import assert_matches_hf, export_and_optimize
 from onnx import numpy_helper
 
 import epfuse
 from epfuse.capabilities import get_ep
 from epfuse.optimizer.verify import assert_equivalent
-from epfuse.testing.hf_export import hf_model, hf_reference
+from epfuse.testing.hf_export import hf_model
 from epfuse.testing.hf_families import SINK_FAMILIES, SLIDING_WINDOW
-from epfuse.tolerances import tolerance_for
 
 pytestmark = pytest.mark.slow
 
 W = SLIDING_WINDOW
 PROMPT, PAST = 2 * W + 1, 2 * W
 FAMILY = SINK_FAMILIES["gpt-oss"]
+LENGTHS = dict(
+    prompt_len=PROMPT,
+    decode_past_len=PAST,
+    chunk_past_len=PAST,
+    chunk_len=3,
+    padded_lens=(PROMPT, W - 1),
+)
+"""verify's lengths, prompt and past beyond the window: one set for the fused and the kept form."""
 
 
 @pytest.fixture(scope="module", params=[18, 23], ids=["opset18", "opset23"])
@@ -40,22 +47,7 @@ def exported(request, tmp_path_factory):
 
 def test_export_matches_hugging_face(exported):
     original, _, _ = exported
-    config, tol = FAMILY.make_config(), tolerance_for("float32")
-    rng = np.random.default_rng(3)
-    ids = rng.integers(0, 256, (2, PROMPT), dtype=np.int64)
-    mask = np.ones((2, PROMPT), dtype=np.int64)
-    pos = np.tile(np.arange(PROMPT, dtype=np.int64), (2, 1))
-    empty = [np.zeros((2, 2, 0, 16), np.float32)] * 4
-    got = run_cpu(original, decoder_feeds(original, ids, mask, pos, empty))
-    ref_logits, ref_present = hf_reference(config, 0, ids, mask, pos, None)
-    np.testing.assert_allclose(got[0], ref_logits, atol=tol.atol, rtol=tol.rtol)
-    for g, r in zip(got[1:], ref_present, strict=True):
-        np.testing.assert_allclose(g, r, atol=tol.atol, rtol=tol.rtol)
-    step = rng.integers(0, 256, (2, 1), dtype=np.int64)
-    mask2, pos2 = np.ones((2, PROMPT + 1), np.int64), np.full((2, 1), PROMPT, np.int64)
-    got2 = run_cpu(original, decoder_feeds(original, step, mask2, pos2, got[1:]))
-    ref2, _ = hf_reference(config, 0, step, mask2, pos2, got[1:])
-    np.testing.assert_allclose(got2[0], ref2, atol=tol.atol, rtol=tol.rtol)
+    assert_matches_hf(FAMILY.make_config(), original, PROMPT, decode=True, seed=3)
 
 
 def test_every_layer_takes_its_sinks_into_gqa(exported):
@@ -89,15 +81,7 @@ def test_every_layer_takes_its_sinks_into_gqa(exported):
 
 def test_optimized_is_equivalent_beyond_the_window(exported):
     original, optimized, _ = exported
-    assert_equivalent(
-        original,
-        optimized,
-        prompt_len=PROMPT,
-        decode_past_len=PAST,
-        chunk_past_len=PAST,
-        chunk_len=3,
-        padded_lens=(PROMPT, W - 1),
-    )
+    assert_equivalent(original, optimized, **LENGTHS)
 
 
 def test_without_head_sink_the_standard_form_carries_the_sinks(exported):
@@ -110,12 +94,4 @@ def test_without_head_sink_the_standard_form_carries_the_sinks(exported):
     ops = [n.op_type for n in kept.graph.node]
     assert ops.count("Attention") == 2 and ops.count("ReduceLogSumExp") == 2
     assert "GroupQueryAttention" not in ops
-    assert_equivalent(
-        original,
-        kept,
-        prompt_len=PROMPT,
-        decode_past_len=PAST,
-        chunk_past_len=PAST,
-        chunk_len=3,
-        padded_lens=(PROMPT, W - 1),
-    )
+    assert_equivalent(original, kept, **LENGTHS)

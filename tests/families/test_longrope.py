@@ -20,16 +20,14 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
-from export_runs import decoder_feeds, export_and_optimize, run_cpu
+from export_runs import assert_matches_hf, export_and_optimize
 from onnx import numpy_helper
 
 import epfuse
 from epfuse.capabilities import get_ep
 from epfuse.optimizer.verify import Scenario, compare_models
 from epfuse.optimizer.verify.limits import read_limits
-from epfuse.testing.hf_export import hf_reference
 from epfuse.testing.hf_families import LONGROPE_FAMILIES, LONGROPE_ORIGINAL_MAX
-from epfuse.tolerances import tolerance_for
 
 pytestmark = pytest.mark.slow
 
@@ -68,27 +66,10 @@ def exported(request, tmp_path_factory):
 
 def test_export_matches_hugging_face_on_both_sides(exported):
     name, original, _, _ = exported
-    config, tol = LONGROPE_FAMILIES[name].make_config(), tolerance_for("float32")
-    kv = next(i for i in original.graph.input if i.name.startswith("past_key_values"))
-    head = kv.type.tensor_type.shape.dim[3].dim_value
-    rng = np.random.default_rng(5)
+    config = LONGROPE_FAMILIES[name].make_config()
     for prompt in (T - 4, T, T + 3):
-        ids = rng.integers(0, 256, (2, prompt), dtype=np.int64)
-        mask = np.ones((2, prompt), dtype=np.int64)
-        pos = np.tile(np.arange(prompt, dtype=np.int64), (2, 1))
-        empty = [np.zeros((2, 2, 0, head), np.float32)] * 4
-        got = run_cpu(original, decoder_feeds(original, ids, mask, pos, empty))
-        ref_logits, ref_present = hf_reference(config, 0, ids, mask, pos, None)
-        np.testing.assert_allclose(got[0], ref_logits, atol=tol.atol, rtol=tol.rtol)
-        for g, r in zip(got[1:], ref_present, strict=True):
-            np.testing.assert_allclose(g, r, atol=tol.atol, rtol=tol.rtol)
-        # one decode step: at T it crosses to the long factors
-        step = rng.integers(0, 256, (2, 1), dtype=np.int64)
-        mask2 = np.ones((2, prompt + 1), np.int64)
-        pos2 = np.full((2, 1), prompt, np.int64)
-        got2 = run_cpu(original, decoder_feeds(original, step, mask2, pos2, got[1:]))
-        ref2, _ = hf_reference(config, 0, step, mask2, pos2, got[1:])
-        np.testing.assert_allclose(got2[0], ref2, atol=tol.atol, rtol=tol.rtol)
+        # then one decode step: at T it crosses to the long factors
+        assert_matches_hf(config, original, prompt, decode=True, seed=prompt)
 
 
 def _hf_caches(config, rows: int):

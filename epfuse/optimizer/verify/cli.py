@@ -5,14 +5,40 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import NoReturn
 
 from epfuse.errors import EpfuseError
 
 EXIT_NOT_EQUIVALENT = 4
 
 
+def add_pair_command(
+    sub: argparse._SubParsersAction, name: str, *, help: str, description: str
+) -> argparse.ArgumentParser:
+    """A subcommand on ORIGINAL OPTIMIZED (``verify``, ``fuzz``): its two positionals and the
+    hidden ``--debug`` written once, the rest added by the caller."""
+    parser = sub.add_parser(name, help=help, description=description)
+    parser.add_argument("original", help="the model before optimization")
+    parser.add_argument("optimized", help="the optimized model")
+    # SUPPRESS: leave a top-level `epfuse --debug` alone.
+    parser.add_argument(
+        "--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS
+    )
+    return parser
+
+
+def raise_load_error(path: str, err: Exception) -> NoReturn:
+    """``err`` from loading or running ``path`` on ORT CPU as a one-line error; any other
+    exception is raised as it is (a bug, not a bad model)."""
+    if not type(err).__module__.startswith("onnxruntime"):
+        raise err
+    line = (str(err).strip().splitlines() or [""])[0][:300]
+    raise EpfuseError(f"{path}: does not load in ORT CPU: {line}") from None
+
+
 def add_verify_command(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    ver = sub.add_parser(
+    ver = add_pair_command(
+        sub,
         "verify",
         help="check on ORT CPU that OPTIMIZED computes what ORIGINAL computes",
         description="Run both models on ORT CPU for a prompt, decode with a real past, chunked "
@@ -21,8 +47,6 @@ def add_verify_command(sub: argparse._SubParsersAction) -> argparse.ArgumentPars
         "read from both graphs); print max abs/rel error per output and PASS or FAIL "
         f"(exit {EXIT_NOT_EQUIVALENT}).",
     )
-    ver.add_argument("original", help="the model before optimization")
-    ver.add_argument("optimized", help="the optimized model")
     ver.add_argument(
         "--prompt-len",
         type=int,
@@ -41,10 +65,6 @@ def add_verify_command(sub: argparse._SubParsersAction) -> argparse.ArgumentPars
     )
     ver.add_argument(
         "--seed", type=int, default=0, help="seed of the token ids (default 0; with --scenario)"
-    )
-    # SUPPRESS: leave a top-level `epfuse --debug` alone.
-    ver.add_argument(
-        "--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS
     )
     ver.set_defaults(handler=run_verify)
     return ver
@@ -83,10 +103,7 @@ def compare_or_explain(original_path: str, models: list, **kwargs):
     except ValueError as err:  # I/O roles not recognised or not matching
         raise EpfuseError(f"cannot compare these models: {err}") from None
     except Exception as err:
-        if not type(err).__module__.startswith("onnxruntime"):
-            raise
-        line = (str(err).strip().splitlines() or [""])[0][:300]
-        raise EpfuseError(f"{original_path}: does not load in ORT CPU: {line}") from None
+        raise_load_error(original_path, err)
     for scenario in result.scenarios:
         if scenario.error and scenario.error.startswith("original model failed"):
             raise EpfuseError(f"{original_path}: cannot run on ORT CPU: {scenario.error}")

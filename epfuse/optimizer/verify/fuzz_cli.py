@@ -11,14 +11,15 @@ from pathlib import Path
 
 from epfuse.errors import EpfuseError
 
-from .cli import EXIT_NOT_EQUIVALENT, load_pair
+from .cli import EXIT_NOT_EQUIVALENT, add_pair_command, load_pair, raise_load_error
 
 DEFAULT_EXAMPLES = 100
 DEFAULT_BUDGET = 50.0  # seconds: a default run stays under a minute
 
 
 def add_fuzz_command(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    fz = sub.add_parser(
+    fz = add_pair_command(
+        sub,
         "fuzz",
         help="hypothesis-drawn equivalence check of OPTIMIZED against ORIGINAL on ORT CPU",
         description="Draw in-contract scenarios for this pair of models (batch, right-padded "
@@ -29,8 +30,6 @@ def add_fuzz_command(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
         f"command line that replays it (exit {EXIT_NOT_EQUIVALENT}). Derandomized: the same "
         "examples on every run unless --seed is given. Needs hypothesis (the fuzz extra).",
     )
-    fz.add_argument("original", help="the model before optimization")
-    fz.add_argument("optimized", help="the optimized model")
     fz.add_argument(
         "--examples",
         type=int,
@@ -61,10 +60,6 @@ def add_fuzz_command(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
         "longest window or threshold, at least 12, within the models' positions)",
     )
     fz.add_argument("--json", metavar="FILE", help="also write the result as JSON")
-    # SUPPRESS: leave a top-level `epfuse --debug` alone.
-    fz.add_argument(
-        "--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS
-    )
     fz.set_defaults(handler=run_fuzz)
     return fz
 
@@ -90,10 +85,7 @@ def run_fuzz(args: argparse.Namespace) -> int:
     except ValueError as err:
         raise EpfuseError(f"cannot compare these models: {err}") from None
     except Exception as err:
-        if not type(err).__module__.startswith("onnxruntime"):
-            raise
-        line = (str(err).strip().splitlines() or [""])[0][:300]
-        raise EpfuseError(f"{args.original}: does not load in ORT CPU: {line}") from None
+        raise_load_error(args.original, err)
     if pair.load_error:
         print(f"{pair.load_error}\n\nFAIL")
         return EXIT_NOT_EQUIVALENT

@@ -113,6 +113,15 @@ def _concat(parts: list[ir.TensorProtocol], axis: int, name: str) -> ir.LazyTens
     return ir.LazyTensor(load, dtype=first.dtype, shape=ir.Shape(shape), name=name)
 
 
+def _register(graph: ir.Graph, tensor: ir.TensorProtocol) -> ir.Value:
+    """``tensor`` (a lazy packed weight or bias) as a new initializer of ``graph``; its name is
+    already unique (``_name``)."""
+    value = ir.Value(name=tensor.name, shape=tensor.shape, type=ir.TensorType(tensor.dtype))
+    value.const_value = tensor
+    graph.register_initializer(value)
+    return value
+
+
 class PackQKV(
     Rule,
     name="pack-qkv",
@@ -167,25 +176,20 @@ class PackQKV(
         graph = ctx.graph
         x = found[0][0]
         prefix = f"{node.name or 'gqa'}/packed_qkv"
-        w_tensor = _concat(weights, 1, _name(graph, found[0][1], f"{prefix}.weight"))
-        w_value = ir.Value(
-            name=w_tensor.name, shape=w_tensor.shape, type=ir.TensorType(w_tensor.dtype)
+        w_value = _register(
+            graph, _concat(weights, 1, _name(graph, found[0][1], f"{prefix}.weight"))
         )
-        w_value.const_value = w_tensor
-        graph.register_initializer(w_value)
         matmul = ir.node("MatMul", [x, w_value], name=f"{prefix}/MatMul")
         graph.insert_before(node, matmul)
         packed = matmul.outputs[0]
         packed.name = f"{prefix}/matmul_out"
         if biases[0] is not None:
-            b_tensor = _concat(
-                [b.const_value for b in biases], 0, _name(graph, biases[0], f"{prefix}.bias")
+            b_value = _register(
+                graph,
+                _concat(
+                    [b.const_value for b in biases], 0, _name(graph, biases[0], f"{prefix}.bias")
+                ),
             )
-            b_value = ir.Value(
-                name=b_tensor.name, shape=b_tensor.shape, type=ir.TensorType(b_tensor.dtype)
-            )
-            b_value.const_value = b_tensor
-            graph.register_initializer(b_value)
             add = ir.node("Add", [packed, b_value], name=f"{prefix}/Add")
             graph.insert_before(node, add)
             packed = add.outputs[0]

@@ -9,6 +9,7 @@ import onnx_ir as ir
 import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
+from rope_models import rotary_feeds
 
 from epfuse.capabilities import get_ep
 from epfuse.patterns import Kept, OptimizeOptions, RewriteContext, Rewritten
@@ -54,12 +55,7 @@ def _apply(proto):
 
 def _run(proto, rotary):
     rng = np.random.default_rng(1)
-    angles = rng.uniform(0, 6, (B, S, rotary // 2))
-    feeds = {
-        "x": rng.standard_normal((B, N, S, H)).astype(np.float32),
-        "cos": np.cos(angles).astype(np.float32),
-        "sin": np.sin(angles).astype(np.float32),
-    }
+    feeds = rotary_feeds(rng, (B, N, S, H), rotary)
     sess = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
     return sess.run(["y"], feeds)[0]
 

@@ -108,21 +108,21 @@ def test_switch_becomes_two_proven_caches_inside_gqa(style):
     assert all(s.skipped is None and s.error is None for s in result.scenarios), str(result)
 
 
-def test_condition_reading_more_than_positions_stays_outside():
-    original, _, _ = _longrope("torch23", cond_reads_mask=True)
+@pytest.mark.parametrize(
+    ("variant", "code"),
+    [
+        # a condition reading more than position_ids is not the switch this rule proves
+        ({"cond_reads_mask": True}, ReasonCode.NOT_PROVEN),
+        # a sin switching to other frequencies than cos is not one pair of caches
+        ({"sin_factor": 1.01}, ReasonCode.FORM),
+    ],
+    ids=["condition-reads-more-than-positions", "sin-switches-to-other-frequencies"],
+)
+def test_not_a_provable_switch_stays_outside(variant, code):
+    original, _, _ = _longrope("torch23", **variant)
     optimized, report = epfuse.optimize_with_report(original, "cpu", max_seq_len=64)
     rule = next(r for r in report.rules if r.name == "rope-cos-sin-to-caches")
-    assert rule.rewritten == 0 and ReasonCode.NOT_PROVEN.value in rule.kept_codes, rule
-    assert all(layer.result == "GroupQueryAttention(do_rotary=0)" for layer in report.layers)
-    result = compare_models(original, optimized, scenarios=_scenarios()[:8])
-    assert result.passed, str(result)
-
-
-def test_sin_switching_to_other_frequencies_stays_outside():
-    original, _, _ = _longrope("torch23", sin_factor=1.01)
-    optimized, report = epfuse.optimize_with_report(original, "cpu", max_seq_len=64)
-    rule = next(r for r in report.rules if r.name == "rope-cos-sin-to-caches")
-    assert rule.rewritten == 0 and ReasonCode.FORM.value in rule.kept_codes, rule
+    assert rule.rewritten == 0 and code.value in rule.kept_codes, rule
     assert all(layer.result == "GroupQueryAttention(do_rotary=0)" for layer in report.layers)
     result = compare_models(original, optimized, scenarios=_scenarios()[:8])
     assert result.passed, str(result)

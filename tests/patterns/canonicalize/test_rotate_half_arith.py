@@ -8,6 +8,7 @@ import onnx_ir as ir
 import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
+from rope_models import rotary_feeds
 
 from epfuse.capabilities import get_ep
 from epfuse.patterns import OptimizeOptions, RewriteContext, Rewritten
@@ -77,12 +78,7 @@ def test_lifts_to_rotary_embedding_and_stays_equal():
     assert len(ropes) == 1 and list(ropes[0].input) == ["x", "c", "s"]
     assert not any(n.op_type == "Add" for n in rewritten.graph.node)
     rng = np.random.default_rng(0)
-    angles = rng.uniform(0, 6, (B, S, H // 2))
-    feeds = {
-        "x": rng.standard_normal((B, N, S, H)).astype(np.float32),
-        "c": np.cos(angles).astype(np.float32),
-        "s": np.sin(angles).astype(np.float32),
-    }
+    feeds = rotary_feeds(rng, (B, N, S, H), H, names=("x", "c", "s"))
     # the same products and sums; ORT's kernel may round them differently (fused multiply-add)
     np.testing.assert_allclose(_run(rewritten, feeds), _run(original, feeds), atol=1e-6, rtol=1e-6)
 

@@ -9,6 +9,7 @@ import onnx_ir as ir
 import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
+from rope_models import rotary_feeds
 
 from epfuse.capabilities import get_ep
 from epfuse.optimizer.manager import _infer_types
@@ -69,12 +70,7 @@ def test_split_halves_become_rotary_embedding():
     onnx.checker.check_model(proto, full_check=True)
     assert [n.op_type for n in proto.graph.node] == ["RotaryEmbedding"]
     rng = np.random.default_rng(0)
-    angles = rng.uniform(0, 6, (B, S, D // 2))
-    feeds = {
-        "x": rng.standard_normal((B, N, S, D)).astype(np.float32),
-        "cos": np.cos(angles).astype(np.float32),
-        "sin": np.sin(angles).astype(np.float32),
-    }
+    feeds = rotary_feeds(rng, (B, N, S, D), D)
     tol = tolerance_for("float32")
     np.testing.assert_allclose(_run(proto, feeds), _run(original, feeds), **vars(tol))
 
