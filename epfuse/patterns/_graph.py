@@ -105,17 +105,21 @@ def substitute(
     after ``old_nodes[-1]`` (the anchor, whose outputs' readers all come later): each
     ``(old, new)`` value pair hands over its name, type, shape and every use, graph outputs
     included, so the model's signature and the value names users see do not change. The
-    replace tail every rewrite shares (onnx-ir's ``replace_all_uses_with`` re-points the
-    uses); ``old_nodes`` must be dead once their replaced values are handed over."""
+    replace tail every rewrite shares (onnx-ir's ``replace_nodes_and_values``);
+    ``old_nodes`` must be dead once their replaced values are handed over."""
     for old, new in replaced:
-        new.type = old.type if old.type is not None else new.type
-        new.shape = old.shape if old.shape is not None else new.shape
-        name, old.name = old.name, None  # names stay unique in the graph
+        # The name moves before onnx-ir's helper copies the rest, so that two values never
+        # hold one name in the graph at once.
+        name, old.name = old.name, None
         new.name = name
-    olds, news = [old for old, _ in replaced], [new for _, new in replaced]
-    ir.convenience.replace_all_uses_with(olds, news, replace_graph_outputs=True)
-    graph.insert_after(old_nodes[-1], [new_node] if isinstance(new_node, ir.Node) else new_node)
-    graph.remove(list(old_nodes), safe=True)
+    ir.convenience.replace_nodes_and_values(
+        graph,
+        old_nodes[-1],
+        list(old_nodes),
+        [new_node] if isinstance(new_node, ir.Node) else list(new_node),
+        [old for old, _ in replaced],
+        [new for _, new in replaced],
+    )
 
 
 def ensure_opset(model: ir.Model, domain: str, version: int) -> None:
@@ -140,18 +144,20 @@ def initializer(graph: ir.Graph, name: str, array: np.ndarray) -> ir.Value:
     return value
 
 
-class Builder:
-    """Appends nodes just before an anchor node, naming them after a prefix. Without an
-    anchor (``before=None``) it only collects them in ``nodes``, for ``substitute`` to place
-    (nodes that read a new node's output must come after it)."""
+class Builder(ir.tape.Tape):
+    """onnx-ir's ``Tape`` for a rewrite: each node it records is placed just before an anchor
+    node (a rewrite's new nodes must come before the anchor's readers, not at the graph's end
+    where a Tape on the graph would append them) and named, with its outputs, after a prefix.
+    Without an anchor (``before=None``) it only records them in ``nodes``, for ``substitute``
+    to place (nodes that read a new node's output must come after it)."""
 
     def __init__(self, graph: ir.Graph, before: ir.Node | None, prefix: str):
+        super().__init__(None)  # placed by hand below, not appended to a graph
         self.graph = graph
         self.before = before
         self.prefix = prefix
-        self.nodes: list[ir.Node] = []
 
-    def op(
+    def op(  # type: ignore[override]  (Tape.op's shape, plus num_outputs; no overloads)
         self,
         op_type: str,
         inputs: Sequence[ir.Value | None],
@@ -161,20 +167,15 @@ class Builder:
         num_outputs: int = 1,
         name: str | None = None,
     ) -> ir.Value | tuple[ir.Value, ...]:
-        node = ir.node(
-            op_type,
-            inputs,
-            attributes or {},
-            domain=domain,
-            num_outputs=num_outputs,
-            name=f"{self.prefix}/{name or op_type}_{len(self.nodes)}",
+        node_name = f"{self.prefix}/{name or op_type}_{len(self.nodes)}"
+        outputs = self.op_multi_out(
+            op_type, inputs, attributes, num_outputs=num_outputs, domain=domain, name=node_name
         )
-        for i, out in enumerate(node.outputs):
-            out.name = f"{node.name}_out{i}"
+        for i, out in enumerate(outputs):
+            out.name = f"{node_name}_out{i}"
         if self.before is not None:
-            self.graph.insert_before(self.before, node)
-        self.nodes.append(node)
-        return node.outputs[0] if num_outputs == 1 else tuple(node.outputs)
+            self.graph.insert_before(self.before, self.nodes[-1])
+        return outputs[0] if num_outputs == 1 else tuple(outputs)
 
     def const(self, name: str, array: np.ndarray) -> ir.Value:
         return initializer(self.graph, f"{self.prefix}/{name}", array)
