@@ -28,7 +28,7 @@ import onnx_ir as ir
 
 from epfuse.capabilities import EPCapabilities, get_ep
 from epfuse.errors import ConfigError, OutputError, UnsupportedModelError
-from epfuse.patterns.analysis.head_counts import HeadCounts, attention_heads
+from epfuse.patterns.analysis.head_counts import HeadCounts, count_heads
 from epfuse.patterns.analysis.signature import DecoderSignature
 from epfuse.patterns.base import AttentionFacts
 
@@ -339,7 +339,7 @@ def genai_config(
         heads = text.get("num_attention_heads")
         attention = [n for n in graph if (n.domain, n.op_type) == ("", "Attention")]
         if attention:
-            found = attention_heads(attention[0])
+            found = count_heads(attention[0])
             if isinstance(found, HeadCounts):
                 heads = graph_heads = found.q_heads
     kv_heads = kv_heads or text.get("num_key_value_heads")

@@ -260,6 +260,7 @@ class Precision(StagePass):
         if not plan.converts:
             return False
         summary = convert_float(model, plan.compute_dtype, state.ctx.float64_sources())
+        state.ctx.analyses.invalidate()  # values now compute in another dtype
         state.ctx.dtype = state.report.dtype = plan.compute_dtype
         state.report.precision["conversion"] = summary.describe()
         return True

@@ -34,6 +34,7 @@ import onnx_ir as ir
 
 from epfuse.capabilities.emissions import Capability
 
+from .analysis.manager import A, AnalysisManager, Unproven
 from .reasons import ReasonCode
 
 if TYPE_CHECKING:
@@ -127,11 +128,22 @@ class RewriteContext:
     dtype: str
     options: OptimizeOptions
     cache: dict[Any, Any] = dataclasses.field(default_factory=dict)
-    """Per-run memo for values built once per graph (seqlens_k, total length, ...)."""
+    """Per-run records keyed by names and constants (float64 sources, the opset upgrade);
+    what is proven about graph values lives in ``analyses``."""
+    analyses: AnalysisManager = dataclasses.field(init=False)
+    """The run's typed analyses (``analysis.manager``): ask them with :meth:`analysis`."""
+
+    def __post_init__(self) -> None:
+        self.analyses = AnalysisManager(self.model.graph)
 
     @property
     def graph(self) -> ir.Graph:
         return self.model.graph
+
+    def analysis(self, kind: type[A], *key: Any) -> A | Unproven | None:
+        """The typed result of analysis ``kind`` for ``key`` (ir values/nodes themselves and
+        scalars), computed once and cached while what it names is still in the graph."""
+        return self.analyses.get(kind, self, *key)
 
     @property
     def ops(self) -> OpSupport:

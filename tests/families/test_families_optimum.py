@@ -52,7 +52,7 @@ EXPECTED.update(
         "olmo": ((1, 1), (None, None), 0.0),  # weightless LayerNorm, clip_qkv
         "gemma": ((0, 0), (None, None), 0.0),  # Gemma 1: no position_ids input, as Gemma-2/3
         # transformers 4.57 slices their masks to key_states.shape[-2]: layer 1's mask reads
-        # layer 0's output by shape (cut at the key's inferred shape, mask_analysis).
+        # layer 0's output by shape (cut at the key's inferred shape, analysis.mask_proof).
         "stablelm": ((1, 1), (None, None), 0.0),  # partial rotary, LayerNorm, biases
         "nemotron": ((0, 0), (None, None), 0.0),  # no position_ids input, as Gemma
     }

@@ -9,7 +9,7 @@ never need a flag to catch it. Windows are read the config-free way the optimize
 - GroupQueryAttention's ``local_window_size`` (either graph, e.g. an epfuse output or a
   genai/mobius build);
 - the mask subgraph of every ONNX ``Attention``, proven by evaluation
-  (:func:`epfuse.patterns.mask_analysis.analyze_mask`) after the canonicalize stage lifted a
+  (:func:`epfuse.patterns.analysis.mask_proof.attention_mask_proof`) after the canonicalize stage lifted a
   decomposed attention (opset-18 exports) to one. Only a copy of the model is canonicalized.
 
 Thresholds are constant integer operands (>= 2) of comparisons (Greater, Less, ...): a
@@ -270,8 +270,8 @@ def _windows_from_masks(model: ir.Model, label: str, limits: Limits) -> None:
     from epfuse.capabilities import get_ep
     from epfuse.optimizer.api import model_dtype
     from epfuse.optimizer.manager import PassManager
-    from epfuse.patterns import RULES, OptimizeOptions, Stage
-    from epfuse.patterns.mask_analysis import ProvenMask, analyze_mask
+    from epfuse.patterns import RULES, OptimizeOptions, RewriteContext, Stage
+    from epfuse.patterns.analysis.mask_proof import MaskProof, attention_mask_proof
 
     max_len = min(limits.max_positions or 4096, 1 << 16)
     try:
@@ -279,19 +279,20 @@ def _windows_from_masks(model: ir.Model, label: str, limits: Limits) -> None:
         ir.external_data.load_to_model(work)
         canonical = tuple(r for r in RULES if r.stage is Stage.CANONICALIZE)
         options = OptimizeOptions(max_seq_len=max_len)
-        PassManager(canonical).run(work, get_ep("default"), model_dtype(work), options)
+        ep, dtype = get_ep("default"), model_dtype(work)
+        PassManager(canonical).run(work, ep, dtype, options)
     except Exception as err:
         limits.notes.append(f"{label}: masks not read ({type(err).__name__}: {err})")
         return
     _scan(work.graph, label, limits, positions=False, tokens=frozenset())
-    cache: dict = {}
+    ctx = RewriteContext(work, ep, dtype, options)  # its analyses: one proof per shared mask
     for node in work.graph:
         if node.op_type != "Attention" or node.domain != "":
             continue
-        proven = analyze_mask(node, work.graph, max_len, cache)
-        if isinstance(proven, ProvenMask):
+        proven = attention_mask_proof(ctx, node)
+        if isinstance(proven, MaskProof):
             if proven.window is not None:
                 where = f"{label}: attention mask (evaluated)"
                 limits.windows.setdefault(int(proven.window), []).append(where)
-        elif proven not in limits.notes:
-            limits.notes.append(f"{label}: {node.name or 'Attention'}: {proven}")
+        elif proven.reason not in limits.notes:
+            limits.notes.append(f"{label}: {node.name or 'Attention'}: {proven.reason}")

@@ -10,19 +10,25 @@ genai packager all ask here):
 * :func:`axis_size` — the static size of one axis of a rank-4 value: from its shape, else
   from its producer (a Reshape target whose ``-1`` is solved by cancelling the factors the
   target shares with the input's shape, a Transpose, ops that keep or broadcast the axis);
-* :func:`attention_heads` — :class:`HeadCounts` of an ONNX ``Attention`` node, memoized in
-  the run context's cache.
+* :class:`HeadCounts` — the analysis of an ONNX ``Attention`` node, asked through the run's
+  analyses (:func:`attention_heads`, keyed by the node and its operands) or, outside a run,
+  :func:`count_heads`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections import Counter
+from typing import TYPE_CHECKING
 
 import onnx_ir as ir
 
 from .._graph import Dim, attr, const_ints, dim, input_at, shape_vector
 from .._layout import last_dim
+from .manager import Analysis, Unproven
+
+if TYPE_CHECKING:
+    from ..base import RewriteContext
 
 _ELEMENTWISE = ("Add", "Sub", "Mul", "Div", "Neg", "Cast", "Identity", "Where")
 # Ops whose output has their first input's shape (normalizations over the last axis,
@@ -37,12 +43,20 @@ _MAX_DEPTH = 12
 
 
 @dataclasses.dataclass(frozen=True)
-class HeadCounts:
+class HeadCounts(Analysis):
+    """Head counts and head size of an ONNX ``Attention`` node:
+    ``ctx.analysis(HeadCounts, node, *node.inputs)`` (the operands are in the key: the fact
+    is about what the node reads, see ``analysis.manager``)."""
+
     q_heads: int
     kv_heads: int
     head_size: int
     layout_rank: int
     """4: Q/K/V are (batch, heads, seq, head_size); 3: (batch, seq, heads * head_size)."""
+
+    @classmethod
+    def compute(cls, ctx: RewriteContext, node: ir.Node, *inputs: ir.Value | None):
+        return count_heads(node)
 
 
 def _rank(value: ir.Value) -> int | None:
@@ -157,18 +171,19 @@ def _quotient(numerator: list[Dim], denominator: list[Dim]) -> int | None:
     return p // q if q > 0 and p % q == 0 else None
 
 
-def attention_heads(node: ir.Node, cache: dict | None = None) -> HeadCounts | str:
-    """Head counts and head size of an ONNX ``Attention`` node, or why they are not static.
+def attention_heads(ctx: RewriteContext, node: ir.Node) -> HeadCounts | Unproven:
+    """:class:`HeadCounts` of an ONNX ``Attention`` node, from the run's analyses."""
+    return ctx.analysis(HeadCounts, node, *node.inputs)
+
+
+def count_heads(node: ir.Node) -> HeadCounts | Unproven:
+    """Head counts and head size of an ONNX ``Attention`` node, or why they are not static
+    (uncached: a run asks :func:`attention_heads`).
 
     3-D inputs take ``q_num_heads``/``kv_num_heads`` (required then by the op); 4-D inputs
     the head axis of Q and of K (or its past) and the last axis of K."""
-    key = ("head-counts", id(node), tuple(id(v) for v in node.inputs))
-    if cache is not None and key in cache:
-        return cache[key]
-    result = _attention_heads(node)
-    if cache is not None:
-        cache[key] = result
-    return result
+    found = _attention_heads(node)
+    return Unproven(found) if isinstance(found, str) else found
 
 
 def _attention_heads(node: ir.Node) -> HeadCounts | str:

@@ -50,8 +50,9 @@ from .._graph import (
 )
 from .._opset import require_default_opset
 from ..analysis.head_counts import axis_size, record_heads
+from ..analysis.manager import Unproven
+from ..analysis.mask_proof import MASKED_BELOW, MaskProof
 from ..base import Kept, RewriteContext, Rewritten, Rule, Stage
-from ..mask_analysis import MASKED_BELOW, analyze_mask_value
 from ..reasons import ReasonCode
 
 _FLOATS = (ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16, ir.DataType.DOUBLE)
@@ -257,7 +258,7 @@ def _plan_inert_guard(mask: ir.Value, k: ir.Value, ctx: RewriteContext):
 
     ``Where(IsNaN(P), 0, P)`` differs from ``P`` only on rows whose keys are all masked with
     -inf. The mask (with torch's slice to the key length peeled) is proven causal + padding,
-    optionally with a sliding window (``mask_analysis``): every valid query row then sees at
+    optionally with a sliding window (``analysis.mask_proof``): every valid query row then sees at
     least its own key, so the guard changes only padding rows, which the model's input
     contract (right padding) leaves unread. Returns the plan, or why the guard must stay.
     """
@@ -278,9 +279,10 @@ def _plan_inert_guard(mask: ir.Value, k: ir.Value, ctx: RewriteContext):
             where = None
     if where is None:
         plan = _InertGuardPlan(_key_slice_source(mask, k), dtype, where=False)
-    proven = analyze_mask_value(plan.source, ctx.graph, ctx.options.max_seq_len, ctx.cache)
-    if isinstance(proven, str):
-        return f"the mask is not finite and not proven to leave a key for every row ({proven})"
+    proven = ctx.analysis(MaskProof, plan.source, False, False, ctx.options.max_seq_len)
+    if isinstance(proven, Unproven):
+        why = proven.reason
+        return f"the mask is not finite and not proven to leave a key for every row ({why})"
     return plan
 
 

@@ -5,7 +5,7 @@ the reason in the report):
 
 * the EP's record has GQA for the model dtype, and the softcap / sliding window the layer
   needs;
-* the mask is *proven* (``mask_analysis``) to be causal + right padding from a 2-D
+* the mask is *proven* (``analysis.mask_proof``) to be causal + right padding from a 2-D
   ``attention_mask`` (optionally with one sliding window), so that ``seqlens_k`` and
   ``local_window_size`` express it exactly;
 * Q, K, V are (B, N, S, H) or (B, S, N*H) with static head counts and head size.
@@ -46,14 +46,15 @@ from .._graph import (
 )
 from .._layout import bsd_consumer, from_bsd, to_bsd
 from ..analysis.head_counts import HeadCounts, attention_heads
+from ..analysis.manager import Unproven
+from ..analysis.mask_proof import MaskProof, attention_mask_proof
+from ..analysis.mrope_sections import is_streams, mrope_positions, unproven_reason
 from ..analysis.switched_caches import switched_cache
 from ..base import AttentionFacts, Kept, RewriteContext, Rewritten, Rule, Stage
 from ..canonicalize.rope_caches import evaluated_equal
 from ..canonicalize.rotate_half import RotateHalfToRotaryEmbedding
-from ..mask_analysis import ProvenMask, analyze_mask
 from ..reasons import ReasonCode
 from .attention_sink import SinkPlan, match_sink, qk_used
-from .mrope import is_streams, mrope_positions, unproven_reason
 
 _MROPE_REASON = "3-D mRoPE positions ({how}): fused rotary takes one position per token"
 
@@ -100,7 +101,7 @@ class _GQAMatch:
     heads: HeadCounts
     sink: SinkPlan | None
     softcap: float
-    mask: ProvenMask | None = None
+    mask: MaskProof | None = None
     """Set by ``check``: the mask proven causal + padding (+ window)."""
     rope_plan: _RopePlan | None = None
     """Set by ``check``: whether the rotation moves into GQA, and why not."""
@@ -128,9 +129,9 @@ class AttentionToGQA(
                 ReasonCode.NOT_EXPRESSIBLE,
                 "nonpad_kv_seqlen is not expressible in GroupQueryAttention",
             )
-        heads = attention_heads(node, ctx.cache)
-        if isinstance(heads, str):
-            return Kept(ReasonCode.HEADS, heads)
+        heads = attention_heads(ctx, node)
+        if isinstance(heads, Unproven):
+            return Kept(ReasonCode.HEADS, heads.reason)
         sink = match_sink(node, heads.q_heads) if qk_used(node) else None
         if isinstance(sink, str):
             return Kept(ReasonCode.FORM, sink)
@@ -164,9 +165,9 @@ class AttentionToGQA(
                 ReasonCode.EP_UNSUPPORTED,
                 f"{ctx.ep.name}'s GroupQueryAttention does not apply softcap",
             )
-        mask = analyze_mask(node, ctx.graph, ctx.options.max_seq_len, ctx.cache)
-        if isinstance(mask, str):
-            return Kept(ReasonCode.MASK_NOT_PROVEN, f"mask not proven: {mask}")
+        mask = attention_mask_proof(ctx, node)
+        if isinstance(mask, Unproven):
+            return Kept(ReasonCode.MASK_NOT_PROVEN, f"mask not proven: {mask.reason}")
         if mask.window is not None and not gqa_caps.local_window:
             return Kept(
                 ReasonCode.EP_UNSUPPORTED,
@@ -388,13 +389,16 @@ class _RopePlan:
         self.fused, self.q, self.k, self.reason = fused, q, k, reason
 
 
-def _sequence_inputs(ctx: RewriteContext, builder: Builder, mask: ProvenMask):
+def _sequence_inputs(ctx: RewriteContext, builder: Builder, mask: MaskProof):
     """seqlens_k = ReduceSum(mask) - 1 and total_sequence_length, built once per graph."""
-    key = ("gqa-seqlens", id(mask.attention_mask))
-    if key in ctx.cache:
-        return ctx.cache[key]
-    graph = ctx.graph
     am = mask.attention_mask
+    return ctx.analyses.built(
+        "gqa-seqlens", (am,), lambda: _build_sequence_inputs(ctx, builder, am)
+    )
+
+
+def _build_sequence_inputs(ctx: RewriteContext, builder: Builder, am: ir.Value):
+    graph = ctx.graph
     first = graph.node(0) if len(graph) else builder.before
     b = Builder(graph, first, "epfuse/seqlens")
     am_int = (
@@ -411,5 +415,4 @@ def _sequence_inputs(ctx: RewriteContext, builder: Builder, mask: ProvenMask):
     squeezed = b.op("Squeeze", [shape])
     total = b.op("Cast", [squeezed], {"to": ir.DataType.INT32})
     total.name = "epfuse_total_sequence_length"
-    ctx.cache[key] = (seqlens, total)
     return seqlens, total

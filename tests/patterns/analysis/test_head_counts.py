@@ -6,6 +6,8 @@ from __future__ import annotations
 import onnx_ir as ir
 from patterns.analysis.test_shapes import _torchscript_graph, _values
 
+from epfuse.capabilities import get_ep
+from epfuse.patterns import OptimizeOptions, RewriteContext
 from epfuse.patterns.analysis.head_counts import HeadCounts, attention_heads, axis_size
 
 
@@ -45,7 +47,7 @@ def test_attention_heads_are_memoized_and_typed():
     graph.inputs.append(k)
     node = ir.node("Attention", [q, k, k], name="attn")
     graph.append(node)
-    cache: dict = {}
-    got = attention_heads(node, cache)
+    ctx = RewriteContext(model, get_ep("cpu"), "float32", OptimizeOptions())
+    got = attention_heads(ctx, node)
     assert got == HeadCounts(4, 2, 16, 4)
-    assert attention_heads(node, cache) is got
+    assert attention_heads(ctx, node) is got and ctx.analyses.computed == 1

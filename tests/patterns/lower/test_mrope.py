@@ -12,8 +12,13 @@ from model_builder import DecoderConfig, build_decoder, image_positions, mrope_s
 import epfuse
 from epfuse.capabilities import DTYPES, all_eps, get_ep
 from epfuse.optimizer.verify import assert_equivalent, compare_models
+from epfuse.patterns.analysis.mrope_sections import (
+    INTERLEAVED,
+    SECTIONED,
+    interleaved_streams,
+    layout_of,
+)
 from epfuse.patterns.analysis.signature import probe_array
-from epfuse.patterns.lower.mrope import INTERLEAVED, SECTIONED, interleaved_streams, layout_of
 
 # Long enough that text follows the image in every scenario (image tokens are 2..7).
 LENGTHS = dict(prompt_len=10, decode_past_len=9, chunk_past_len=6, chunk_len=4)

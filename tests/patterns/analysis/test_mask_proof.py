@@ -1,11 +1,14 @@
-"""mask_analysis proves causal + padding (and sliding windows) by evaluating the graph."""
+"""The mask proof (``analysis.mask_proof``) proves causal + padding (and sliding windows) by evaluating the graph."""
 
 import numpy as np
 import onnx_ir as ir
 import pytest
 from model_builder import DecoderConfig, build_decoder
 
-from epfuse.patterns.mask_analysis import ProvenMask, analyze_mask
+from epfuse.capabilities import get_ep
+from epfuse.patterns import OptimizeOptions, RewriteContext
+from epfuse.patterns.analysis.manager import Unproven
+from epfuse.patterns.analysis.mask_proof import MaskProof, attention_mask_proof
 
 
 def _first_attention(cfg):
@@ -15,14 +18,17 @@ def _first_attention(cfg):
 
 
 def _analyze(model, node, max_seq_len=512):
-    return analyze_mask(node, model.graph, max_seq_len, {})
+    """The proof's answer, a reason string when unproven (what the assertions read)."""
+    ctx = RewriteContext(model, get_ep("cpu"), "float32", OptimizeOptions(max_seq_len))
+    found = attention_mask_proof(ctx, node)
+    return found.reason if isinstance(found, Unproven) else found
 
 
 @pytest.mark.parametrize("style", ["torch23", "mobius"])
 def test_causal_padding_is_proven(style):
     model, node = _first_attention(DecoderConfig(style=style))
     result = _analyze(model, node)
-    assert isinstance(result, ProvenMask), result
+    assert isinstance(result, MaskProof), result
     assert result.kind == "causal_padding" and result.window is None
     assert result.attention_mask.name == "attention_mask"
 
@@ -31,14 +37,14 @@ def test_causal_padding_is_proven(style):
 def test_sliding_window_width_is_measured(style, window):
     model, node = _first_attention(DecoderConfig(style=style, sliding_window=window))
     result = _analyze(model, node)
-    assert isinstance(result, ProvenMask), result
+    assert isinstance(result, MaskProof), result
     assert (result.kind, result.window) == ("sliding_window", window)
 
 
 def test_window_beyond_max_seq_len_is_plain_causal():
     model, node = _first_attention(DecoderConfig(sliding_window=1000))
     result = _analyze(model, node, max_seq_len=512)
-    assert isinstance(result, ProvenMask) and result.window is None
+    assert isinstance(result, MaskProof) and result.window is None
 
 
 def test_non_causal_mask_is_rejected():
@@ -63,7 +69,7 @@ def _replace_mask_with_additive(model, node, allowed_value: float):
 def test_additive_mask_is_proven():
     model, node = _first_attention(DecoderConfig())
     _replace_mask_with_additive(model, node, 0.0)
-    assert isinstance(_analyze(model, node), ProvenMask)
+    assert isinstance(_analyze(model, node), MaskProof)
 
 
 def test_bias_is_rejected():
@@ -119,7 +125,7 @@ def test_mask_sliced_to_a_later_layers_key_is_cut_at_the_keys_shape():
     key_cuts = [c for c in cuts if c.value.producer().inputs[0].producer().op_type != "Shape"]
     assert key_cuts and all(not isinstance(d, int) for c in key_cuts for d in c.dims[:1])
     result = _analyze(model, last)
-    assert isinstance(result, ProvenMask) and result.kind == "causal_padding", result
+    assert isinstance(result, MaskProof) and result.kind == "causal_padding", result
 
     for cut in key_cuts:  # the key's shape unknown: evaluated through layers 0 and 1, refused
         source = cut.value.producer().inputs[0]

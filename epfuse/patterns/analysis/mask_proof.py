@@ -18,24 +18,38 @@ on every probe and every valid query row, one of:
 
 Anything else (a bias, a non-causal mask, a mask read from another input) is unproven, and the
 layer keeps its original attention.
+
+:class:`MaskProof` is the typed result, asked through the run's analyses
+(``ctx.analysis(MaskProof, ...)``, :func:`attention_mask_proof` for an ``Attention`` node), so
+every layer reading one mask shares one evaluation.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 import numpy as np
 import onnx_ir as ir
 
-from ._evaluate import ShapeCut, SubgraphEvaluator, _Unprovable, value_dependencies
-from ._graph import attr, input_at
-from .analysis.signature import probe_array
+from .._evaluate import ShapeCut, SubgraphEvaluator, _Unprovable, value_dependencies
+from .._graph import attr, input_at
+from .manager import Analysis, Unproven
+from .signature import probe_array
+
+if TYPE_CHECKING:
+    from ..base import RewriteContext
 
 MASKED_BELOW = -1.0e4  # an additive mask entry at or below this counts as "masked"
 
 
 @dataclasses.dataclass(frozen=True)
-class ProvenMask:
+class MaskProof(Analysis):
+    """The proven mask of a mask value: ``ctx.analysis(MaskProof, mask, is_causal, aligned)``
+    (``aligned``: the layer has past inputs and ``is_causal``; see :func:`attention_mask_proof`
+    for an ``Attention`` node's). An :class:`Unproven` says why the layer keeps its attention.
+    """
+
     kind: str  # "causal_padding" | "sliding_window"
     attention_mask: ir.Value
     window: int | None = None
@@ -45,6 +59,12 @@ class ProvenMask:
         if self.kind == "sliding_window":
             return f"causal + padding + sliding window {self.window}"
         return "causal + padding"
+
+    @classmethod
+    def compute(
+        cls, ctx: RewriteContext, mask: ir.Value, is_causal: bool, aligned: bool, max_seq_len: int
+    ) -> MaskProof | Unproven:
+        return prove_mask(mask, ctx.graph, max_seq_len, is_causal=is_causal, has_past=aligned)
 
 
 def _probes(max_seq_len: int) -> list[tuple[int, int, int, list[int]]]:
@@ -94,45 +114,45 @@ def _to_allowed(mask: np.ndarray) -> np.ndarray | None:
     return None
 
 
-def analyze_mask(node: ir.Node, graph: ir.Graph, max_seq_len: int, cache: dict) -> ProvenMask | str:
-    """Return the proven mask of an ONNX ``Attention`` node, or the reason it is unproven."""
-    mask = input_at(node, 3)
-    is_causal = bool(attr(node, "is_causal", 0))
-    has_past = input_at(node, 4) is not None
+def attention_mask_proof(ctx: RewriteContext, node: ir.Node) -> MaskProof | Unproven:
+    """The proven mask of an ONNX ``Attention`` node (cached in the run's analyses)."""
+    mask, is_causal, has_past = _attention_mask(node)
     if mask is None:
-        return "the layer has no attention-mask input, so padding cannot be read from one"
-    return analyze_mask_value(
-        mask, graph, max_seq_len, cache, is_causal=is_causal, has_past=has_past
-    )
+        return Unproven(_NO_MASK)
+    # has_past only aligns is_causal; without it the answer is the same either way.
+    max_seq_len = ctx.options.max_seq_len
+    return ctx.analysis(MaskProof, mask, is_causal, has_past and is_causal, max_seq_len)
 
 
-def analyze_mask_value(
+_NO_MASK = "the layer has no attention-mask input, so padding cannot be read from one"
+
+
+def _attention_mask(node: ir.Node) -> tuple[ir.Value | None, bool, bool]:
+    return input_at(node, 3), bool(attr(node, "is_causal", 0)), input_at(node, 4) is not None
+
+
+def prove_mask(
     mask: ir.Value,
     graph: ir.Graph,
     max_seq_len: int,
-    cache: dict,
     *,
     is_causal: bool = False,
     has_past: bool = False,
-) -> ProvenMask | str:
-    """Return the proven mask of an additive (or boolean) mask value, or why it is unproven.
+) -> MaskProof | Unproven:
+    """The proven mask of an additive (or boolean) mask value, or why it is unproven
+    (uncached: a run asks ``ctx.analysis(MaskProof, ...)``).
 
     The canonicalization of a layer that is not yet an ``Attention`` (the softmax NaN guard
     of torch's SDPA) asks this of the mask it is about to hand to one.
     """
-    # has_past only aligns is_causal; without it the answer is the same either way.
-    key = ("mask", id(mask), is_causal, has_past and is_causal, max_seq_len)
-    if key in cache:
-        return cache[key]
     try:
         result = _analyze(mask, graph, is_causal, has_past, max_seq_len)
     except _Unprovable as err:
         result = str(err)
-    cache[key] = result
-    return result
+    return Unproven(result) if isinstance(result, str) else result
 
 
-def _analyze(mask, graph, is_causal, has_past, max_seq_len) -> ProvenMask | str:
+def _analyze(mask, graph, is_causal, has_past, max_seq_len) -> MaskProof | str:
     cuts: list[ShapeCut] = []
     by_value, _by_shape = value_dependencies(mask, shape_cuts=(graph, cuts))
     if len(by_value) != 1:
@@ -175,7 +195,7 @@ def _analyze(mask, graph, is_causal, has_past, max_seq_len) -> ProvenMask | str:
         return True
 
     if matches(None):
-        return ProvenMask("causal_padding", am, None, len(probes))
+        return MaskProof("causal_padding", am, None, len(probes))
     widths = {
         _fit_window(allowed, seq, past, lengths) for (_, seq, past, lengths), allowed in observed
     }
@@ -183,7 +203,7 @@ def _analyze(mask, graph, is_causal, has_past, max_seq_len) -> ProvenMask | str:
     if len(widths) == 1:
         (window,) = widths
         if matches(window):
-            return ProvenMask("sliding_window", am, window, len(probes))
+            return MaskProof("sliding_window", am, window, len(probes))
     return "the mask is not causal + padding (with or without one sliding window)"
 
 
