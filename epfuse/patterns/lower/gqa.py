@@ -49,9 +49,9 @@ from ..analysis.head_counts import HeadCounts, attention_heads
 from ..analysis.manager import Unproven
 from ..analysis.mask_proof import MaskProof, attention_mask_proof
 from ..analysis.mrope_sections import is_streams, mrope_positions, unproven_reason
+from ..analysis.rope_caches import EvaluatedEqual
 from ..analysis.switched_caches import switched_cache
 from ..base import AttentionFacts, Kept, RewriteContext, Rewritten, Rule, Stage
-from ..canonicalize.rope_caches import evaluated_equal
 from ..canonicalize.rotate_half import RotateHalfToRotaryEmbedding
 from ..reasons import ReasonCode
 from .attention_sink import SinkPlan, match_sink, qk_used
@@ -92,7 +92,7 @@ class _Rope:
             return False
         if other.cos is None or other.sin is None:
             return False
-        return evaluated_equal(ctx, [self.cos, self.sin], [other.cos, other.sin])
+        return ctx.analysis(EvaluatedEqual, (self.cos, self.sin), (other.cos, other.sin)).equal
 
 
 @dataclasses.dataclass
