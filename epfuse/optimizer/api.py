@@ -385,11 +385,7 @@ def _vendor_op_refusal(
 
 def _require_fusion(report: Report) -> None:
     """Strict mode: every attention layer fused (an input GQA the EP takes counts as fused)."""
-    unfused = [
-        layer
-        for layer in report.layers
-        if not layer.fused and layer.result != "GroupQueryAttention (input)"
-    ]
+    unfused = [layer for layer in report.layers if not (layer.fused or layer.from_input)]
     if not unfused:
         return
     first = unfused[0]

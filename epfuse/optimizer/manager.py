@@ -569,8 +569,10 @@ def _label_layers(graph: ir.Graph) -> list[LayerReport]:
             continue
         index = len(layers)
         node.metadata_props[LAYER_KEY] = str(index)
-        result = "Attention (kept)" if node.domain == "" else "GroupQueryAttention (input)"
-        layers.append(LayerReport(layer=index, node=node.name or node.op_type, result=result))
+        given = node.domain != ""  # the input's own GroupQueryAttention
+        result = "GroupQueryAttention (input)" if given else "Attention (kept)"
+        name = node.name or node.op_type
+        layers.append(LayerReport(layer=index, node=name, result=result, from_input=given))
     return layers
 
 

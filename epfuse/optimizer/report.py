@@ -30,6 +30,9 @@ class LayerReport:
     facts: AttentionFacts | None = None
     """For a fused layer: the fused node's parameters (heads, head size, rotary, window,
     softcap, sinks) as fields; read these, not ``notes``."""
+    from_input: bool = False
+    """The input already had this layer as GroupQueryAttention (a re-targeted optimized
+    model): nothing was left to fuse, and strict mode counts it as fused."""
 
     def keep(self, code: str, message: str) -> None:
         """Record why (part of) the layer was kept: the message as shown, the code once."""

@@ -62,3 +62,12 @@ def test_require_fusion_api():
     with pytest.raises(epfuse.UnsupportedModelError, match="layer 0: "):
         epfuse.optimize(model, "qnn", require_fusion=True)
     assert epfuse.optimize_with_report(model, "cpu", require_fusion=True)[1].fused_layers == 2
+
+
+def test_require_fusion_counts_the_inputs_own_gqa_as_fused():
+    """A re-targeted optimized model: its layers are GroupQueryAttention already, flagged
+    ``from_input`` in the report (not read off the result's wording), and strict mode passes."""
+    optimized = epfuse.optimize(build_decoder(DecoderConfig(style="mobius")), "cpu")
+    again, report = epfuse.optimize_with_report(optimized, "cpu", require_fusion=True)
+    assert [(layer.from_input, layer.fused) for layer in report.layers] == [(True, False)] * 2
+    assert all(n.op_type != "Attention" for n in again.graph.node)
