@@ -456,17 +456,18 @@ def _quantize_kv(work: ir.Model, report: Report, max_seq_len: int) -> None:
     report.precision["kv_cache"] = summary.describe()
 
 
-def _float_compute(model: onnx.ModelProto) -> onnx.ModelProto:
+def _float_compute(model: onnx.ModelProto | ir.Model) -> ir.Model:
     """``model`` with every MatMulNBits computing in its activation dtype (accuracy_level
     dropped): the same int4 weights without the int8 rounding of activations, so two such
-    models that differ only by fusion agree to the activation dtype's tolerance."""
-    copy = onnx.ModelProto()
-    copy.CopyFrom(model)
-    for node in copy.graph.node:
+    models that differ only by fusion agree to the activation dtype's tolerance. A copy (the
+    weights shared), in onnx_ir: verify serializes it once, for its session."""
+    if isinstance(model, onnx.ModelProto):
+        copy = ir.serde.deserialize_model(model)
+    else:
+        copy = model.clone()
+    for node in copy.graph:
         if node.op_type == "MatMulNBits":
-            kept = [a for a in node.attribute if a.name != "accuracy_level"]
-            del node.attribute[:]
-            node.attribute.extend(kept)
+            node.attributes.pop("accuracy_level", None)
     return copy
 
 
@@ -474,7 +475,7 @@ def _drift(original: onnx.ModelProto, work: ir.Model, plan: PrecisionPlan) -> di
     from .precision.drift import measure_drift
 
     try:
-        return measure_drift(original, ir.to_proto(work), plan.name).to_dict()
+        return measure_drift(original, work, plan.name).to_dict()
     except Exception as err:
         return {"summary": f"not measured: {_first_line(err)}"}
 
@@ -500,12 +501,13 @@ def _verified(
 
     # Read once: every candidate of the rollback is the original with some of ``work``'s
     # lowerings, so its windows, thresholds and position tables are among these two graphs'.
-    limits = read_limits(original, ir.to_proto(work))
+    # Candidates go to verify as onnx_ir models: its sessions are the one protobuf boundary.
+    limits = read_limits(original, work)
     lengths = default_lengths(limits)
     float_reference = _float_compute(original) if strict_int4 else None
     pairs: dict[str, Comparator] = {}
 
-    def pair(key: str, reference: onnx.ModelProto, candidate: onnx.ModelProto, tol):
+    def pair(key: str, reference: onnx.ModelProto | ir.Model, candidate: ir.Model, tol):
         """A comparator of ``candidate``; the reference's session is loaded once."""
         if key not in pairs:
             pairs[key] = Comparator(reference, candidate, tolerance=tol, limits=limits)
@@ -513,10 +515,9 @@ def _verified(
         return pairs[key].with_optimized(candidate)
 
     def compare(candidate: ir.Model):
-        proto = ir.to_proto(candidate)
-        result = pair("reference", original, proto, tolerance).compare(**lengths)
+        result = pair("reference", original, candidate, tolerance).compare(**lengths)
         if float_reference is not None and result.passed:
-            floats = pair("float", float_reference, _float_compute(proto), None)
+            floats = pair("float", float_reference, _float_compute(candidate), None)
             result = floats.compare(**lengths)
         return result
 

@@ -236,7 +236,10 @@ def float_cache_boundary(model: ir.Model) -> ir.Model:
         return model
     float_type = float_type or f32
     for past in retyped:
-        past.dtype = float_type
+        # A new type object: onnx-ir's clone shares the values' type objects with the
+        # original, so ``past.dtype = ...`` (which edits the type in place) would retype the
+        # model this copy was made from.
+        past.type = ir.TensorType(float_type)
     first = next(iter(graph), None)
     if first is not None and front:
         graph.insert_before(first, front)

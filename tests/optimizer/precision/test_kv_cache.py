@@ -104,9 +104,12 @@ def test_fp16_compute_with_int8_cache_verifies(fp32_model):
     )
     assert report.dtype == "float16"
     assert "reference: the unfused model at float16" in report.verification
-    bounded = float_cache_boundary(ir.serde.deserialize_model(model))
+    given = ir.serde.deserialize_model(model)
+    bounded = float_cache_boundary(given)
     past = [v for v in bounded.graph.inputs if "past" in v.name]
     assert {v.dtype for v in past} == {ir.DataType.FLOAT16}
+    # The copy is retyped, not the model it was made from (clones share type objects).
+    assert {v.dtype for v in given.graph.inputs if "past" in v.name} == {ir.DataType.INT8}
 
 
 def test_ep_without_the_flag_is_a_one_line_error(fp32_model):
