@@ -8,8 +8,12 @@ layer is anonymous, and rules that must prove "this is (batch, seq) of that" or 
 has 4 heads" cannot. This pass walks the graph once in order and derives each output's dims
 from its operands' dims with the op's own shape rule (the Reshape target evaluated with
 :func:`epfuse.patterns._graph.shape_vector`, ``-1`` solved by cancelling equal factors), and
-writes a derived dimension where inference left an anonymous one: a static size, or a
-dimension name declared on a graph input or output (ONNX's meaning of a shared name).
+writes a derived dimension where inference left an anonymous one: a static size, a
+dimension name declared on a graph input or output (ONNX's meaning of a shared name), or a
+product of those, named by its factors (``batch_size*sequence_length``: torch's
+``hidden.view(-1, hidden_size)`` before a mixture of experts flattens the tokens, and the
+experts' ``view(num_experts, batch, -1, hidden)`` after them solves back to
+``sequence_length`` only by cancelling that product's factors).
 
 Only proven dims are written, never a guess: an elementwise op takes a dimension only when
 all operands agree on it (or are 1), ``Concat`` only off its axis. Work is linear in the
@@ -25,7 +29,7 @@ import onnx_ir as ir
 
 from .._graph import attr, const_ints, input_at, shape_vector
 
-Term = int | str | None  # a static size, a declared dim name, or unknown
+Term = int | str | None  # a static size, a declared dim name (or a product of them), unknown
 
 _ELEMENTWISE = frozenset(
     {
@@ -36,7 +40,12 @@ _ELEMENTWISE = frozenset(
         "Softmax", "LogSoftmax", "Trilu",
     }
 )  # fmt: skip
-_FIRST_INPUT = frozenset({"LayerNormalization", "RMSNormalization", "SimplifiedLayerNormalization"})
+_FIRST_INPUT = frozenset(
+    {
+        "LayerNormalization", "RMSNormalization", "SimplifiedLayerNormalization", "Clip",
+        "ScatterElements", "ScatterND",
+    }
+)  # fmt: skip
 _REDUCE = frozenset({"ReduceMean", "ReduceSum", "ReduceMax", "ReduceMin", "ReduceProd"})
 
 
@@ -71,8 +80,78 @@ def _has_unknown(value: ir.Value, declared: set[str]) -> bool:
     if value.shape is None:
         return True
     return any(
-        not isinstance(d, int) and getattr(d, "value", None) not in declared for d in value.shape
+        not isinstance(d, int) and not _known(getattr(d, "value", None), declared)
+        for d in value.shape
     )
+
+
+def _known(name: str | None, declared: set[str]) -> bool:
+    """A declared dim name, or a sum of products of static sizes and declared names
+    (``a*b``, ``a+b``, ``2*a+b``: the names this pass writes, never one that is declared)."""
+    if not name:
+        return False
+    if name in declared:
+        return True
+    products = [p.split("*") for p in name.split("+")]
+    return (len(products) > 1 or len(products[0]) > 1) and all(
+        f.isdigit() or f in declared for factors in products for f in factors
+    )
+
+
+def _sum(terms_: Sequence[Term], declared: set[str]) -> Term:
+    """The term of a Concat's axis, ``sum(terms_)``: an int, or a canonical sum name (only
+    of known terms; a sum is no factor of a product, so ``a*b+c`` reads one way)."""
+    if any(t is None for t in terms_):
+        return None
+    static = sum(t for t in terms_ if isinstance(t, int))
+    names = sorted(t for t in terms_ if isinstance(t, str))
+    if not names:
+        return static
+    if len(names) == 1 and not static:
+        return names[0]
+    name = "+".join(names + ([str(static)] if static else []))
+    return None if name in declared else name
+
+
+def _factorize(term: Term, declared: set[str]) -> tuple[int, Counter] | None:
+    """``term`` as (static coefficient, declared names with multiplicity); None if unknown."""
+    if isinstance(term, int):
+        return term, Counter()
+    if term is None:
+        return None
+    if term in declared:
+        return 1, Counter([term])
+    if "+" in term:
+        return None  # a sum is no factor (its products would read as the sum's terms)
+    coefficient, names = 1, Counter()
+    for part in term.split("*"):
+        if part.isdigit():
+            coefficient *= int(part)
+        else:
+            names[part] += 1
+    return coefficient, names
+
+
+def _product(coefficient: int, names: Counter, declared: set[str]) -> Term:
+    """The term of ``coefficient * prod(names)``: an int, a name, or a canonical product."""
+    factors = sorted(names.elements())
+    if not factors:
+        return coefficient
+    if coefficient == 1 and len(factors) == 1:
+        return factors[0]
+    name = "*".join(([str(coefficient)] if coefficient != 1 else []) + factors)
+    return None if name in declared else name  # a declared name means what its inputs say
+
+
+def _multiply(terms_: Sequence[Term], declared: set[str]) -> Term:
+    coefficient, names = 1, Counter()
+    for term in terms_:
+        factored = _factorize(term, declared)
+        if factored is None:
+            return None
+        coefficient *= factored[0]
+        names.update(factored[1])
+    return _product(coefficient, names, declared)
 
 
 def declared_names(graph: ir.Graph) -> set[str]:
@@ -96,7 +175,7 @@ def terms(value: ir.Value | None, declared: set[str]) -> list[Term] | None:
             out.append(d)
         else:
             name = getattr(d, "value", None)
-            out.append(name if name in declared else None)
+            out.append(name if _known(name, declared) else None)
     return out
 
 
@@ -139,41 +218,53 @@ def _broadcast(shapes: Sequence[list[Term]]) -> list[Term]:
 
 
 def _vector_terms(value: ir.Value | None, declared: set[str]) -> list[Term] | None:
-    """A run-time shape vector as terms (symbolic entries other than declared dims: None)."""
+    """A run-time shape vector as terms (entries that are no known term: None)."""
     vector = shape_vector(value)
     if vector is None:
         return None
-    out: list[Term] = []
-    for entry in vector:
-        if isinstance(entry, int):
-            out.append(entry)
-        elif isinstance(entry, tuple) and entry[:1] == ("sym",) and entry[1] in declared:
-            out.append(entry[1])
-        else:
-            out.append(None)
-    return out
+    return [_entry_term(entry, declared) for entry in vector]
 
 
-def _solve_minus_one(source: list[Term], target: list[Term]) -> Term:
+def _entry_term(entry: object, declared: set[str]) -> Term:
+    """One entry of :func:`shape_vector` as a term: a size, a known name, or the sum or
+    product of such entries; None for anything else."""
+    if isinstance(entry, int):
+        return entry
+    if not isinstance(entry, tuple) or not entry:
+        return None
+    if entry[0] == "sym":
+        return entry[1] if _known(entry[1], declared) else None
+    if entry[0] in ("Add", "Mul") and len(entry) == 3:
+        operands = [_entry_term(x, declared) for x in entry[1:]]
+        return _sum(operands, declared) if entry[0] == "Add" else _multiply(operands, declared)
+    return None
+
+
+def _range_length(node: ir.Node, declared: set[str]) -> Term:
+    """``Range(start, limit, 1)``'s length, ``limit - start``, where the limit is a sum with
+    the start as one of its terms (``arange(past, past + seq)``) or the start is 0."""
+    start, limit, delta = (shape_vector(v) for v in node.inputs[:3])
+    if delta != [1] or start is None or limit is None or len(start) != 1 or len(limit) != 1:
+        return None
+    (a,), (b,) = start, limit
+    if isinstance(a, int) and isinstance(b, int):
+        return max(0, b - a)
+    if a == 0:
+        return _entry_term(b, declared)
+    if isinstance(b, tuple) and b[:1] == ("Add",) and len(b) == 3 and a in b[1:]:
+        return _entry_term(b[2] if b[1] == a else b[1], declared)
+    return None
+
+
+def _solve_minus_one(source: list[Term], target: list[Term], declared: set[str]) -> Term:
     """The size of the ``-1`` of a Reshape: product(source) / product(other target dims),
-    cancelling equal symbolic factors; None unless what remains is static."""
-    num, den = Counter(source), Counter(t for t in target if t != -1)
-    for term in list(num):
-        if not isinstance(term, int):
-            common = min(num[term], den.get(term, 0))
-            num[term] -= common
-            den[term] -= common
-    if any(not isinstance(t, int) and n for t, n in num.items()):
+    cancelling equal symbolic factors; None unless every factor of the divisor cancels."""
+    num = _factorize(_multiply(source, declared), declared)
+    den = _factorize(_multiply([t for t in target if t != -1], declared), declared)
+    if num is None or den is None or den[1] - num[1]:
         return None
-    if any(not isinstance(t, int) and n for t, n in den.items()):
-        return None
-    p = 1
-    for t, n in num.items():
-        p *= t**n if isinstance(t, int) else 1
-    q = 1
-    for t, n in den.items():
-        q *= t**n if isinstance(t, int) else 1
-    return p // q if q and p % q == 0 else None
+    (p, names), q = num, den[0]
+    return _product(p // q, names - den[1], declared) if q and p % q == 0 else None
 
 
 def _axes(node: ir.Node, index: int, rank: int) -> list[int] | None:
@@ -195,9 +286,33 @@ def _derive(node: ir.Node, declared: set[str]) -> list[list[Term] | None] | None
         return [_broadcast(operands)]
     if op in _FIRST_INPUT:
         return [ins[0]] if ins and ins[0] is not None else None
+    if op == "Range":
+        length = _range_length(node, declared)
+        return None if length is None else [[length]]
+    if op == "ConstantOfShape":
+        target = _vector_terms(node.inputs[0], declared)
+        return None if target is None else [target]
     data = ins[0] if ins else None
     if data is None:
         return None
+    if op == "Gemm":
+        a, b = data, ins[1]
+        if b is None or len(a) != 2 or len(b) != 2:
+            return None
+        rows = a[1] if attr(node, "transA", 0) else a[0]
+        return [[rows, b[0] if attr(node, "transB", 0) else b[1]]]
+    if op == "TopK":
+        k = const_ints(input_at(node, 1))
+        if k is None or len(k) != 1:
+            return None
+        axis = attr(node, "axis", -1) % len(data)
+        out = [k[0] if i == axis else t for i, t in enumerate(data)]
+        return [out, out]
+    if op == "Tile":
+        repeats = _vector_terms(node.inputs[1], declared)
+        if repeats is None or len(repeats) != len(data):
+            return None
+        return [[_multiply([t, r], declared) for t, r in zip(data, repeats, strict=True)]]
     if op == "MatMul":
         a, b = data, ins[1]
         if b is None or len(a) < 2 or len(b) < 2:
@@ -217,7 +332,7 @@ def _derive(node: ir.Node, declared: set[str]) -> list[list[Term] | None] | None
             for i, t in enumerate(target)
         ]
         if out.count(-1) == 1:
-            out[out.index(-1)] = _solve_minus_one(data, out)
+            out[out.index(-1)] = _solve_minus_one(data, out, declared)
         return [[None if t == -1 else t for t in out]]
     if op == "Expand":
         target = _vector_terms(node.inputs[1], declared)
@@ -233,7 +348,7 @@ def _derive(node: ir.Node, declared: set[str]) -> list[list[Term] | None] | None
         for i in range(len(data)):
             column = [s[i] for s in ins]
             if i == axis:
-                out.append(sum(column) if all(isinstance(t, int) for t in column) else None)
+                out.append(_sum(column, declared))
             else:  # all inputs agree off the axis: any known one is the size
                 out.append(next((t for t in column if t is not None), None))
         return [out]

@@ -124,3 +124,106 @@ def test_shape_of_an_embedding_reads_the_ids_by_shape_only():
     assert by_value == set() and {v.name for v in by_shape} == {"ids"}
     by_value, _ = value_dependencies(_values(model)["y"])
     assert {v.name for v in by_value} == {"ids"}
+
+
+def _experts_graph(declare: str = "other") -> ir.Model:
+    """transformers 4.x's traced experts (GPT-OSS, Optimum): tokens flattened with
+    ``view(-1, 64)`` (batch*seq), routed by TopK/ScatterElements, repeated per expert (Tile),
+    ``view(E, -1, 64)``, clamped, ``view(E, batch, -1, 64)`` and summed over experts; a
+    residual Add with the input. Beside it ``arange(past, past + seq)`` (Range) and the KV
+    cache ``Concat(past, new)`` on the sequence axis. ``declare`` names the extra input's dim
+    (a declared name equal to a sum's text must not be written as that sum)."""
+    i64, E = np.int64, 4
+    inits = [
+        numpy_helper.from_array(np.zeros((256, 64), np.float32), "emb"),
+        numpy_helper.from_array(np.zeros((E, 64), np.float32), "router"),
+        numpy_helper.from_array(np.array([-1, 64], i64), "flat"),
+        numpy_helper.from_array(np.array([2], i64), "k"),
+        numpy_helper.from_array(np.array([E, 1], i64), "repeats"),
+        numpy_helper.from_array(np.array([E, -1, 64], i64), "per_expert"),
+        numpy_helper.from_array(np.array([E], i64), "e"),
+        numpy_helper.from_array(np.array([-1, 64], i64), "tail"),
+        numpy_helper.from_array(np.array([0], i64), "axes0"),
+        numpy_helper.from_array(np.array(0, i64), "c0"),
+        numpy_helper.from_array(np.array(2, i64), "c2"),
+        numpy_helper.from_array(np.array(1, i64), "c1"),
+        numpy_helper.from_array(np.array(7.0, np.float32), "limit"),
+    ]
+    n = helper.make_node
+    nodes = [
+        n("Gather", ["emb", "ids"], ["x"]),
+        n("Reshape", ["x", "flat"], ["tokens"]),  # (batch*seq, 64)
+        n("Gemm", ["tokens", "router"], ["logits"], transB=1),
+        n("TopK", ["logits", "k"], ["top", "index"]),
+        n("Shape", ["logits"], ["logits_shape"]),
+        n("ConstantOfShape", ["logits_shape"], ["zeros"]),
+        n("ScatterElements", ["zeros", "index", "top"], ["scores"], axis=1),
+        n("Tile", ["tokens", "repeats"], ["tiled"]),  # (4*batch*seq, 64)
+        n("Reshape", ["tiled", "per_expert"], ["routed"]),  # (4, batch*seq, 64)
+        n("Clip", ["routed", "", "limit"], ["clipped"]),
+        n("Shape", ["x"], ["x_shape"]),
+        n("Gather", ["x_shape", "c0"], ["b"], axis=0),
+        n("Unsqueeze", ["b", "axes0"], ["b1"]),
+        n("Concat", ["e", "b1", "tail"], ["unflat"], axis=0),
+        n("Reshape", ["clipped", "unflat"], ["experts"]),  # (4, batch, seq, 64)
+        n("ReduceSum", ["experts", "axes0"], ["summed"], keepdims=0),
+        n("Add", ["x", "summed"], ["residual"]),
+        n("Shape", ["past"], ["past_shape"]),
+        n("Gather", ["past_shape", "c2"], ["past_len"], axis=0),
+        n("Gather", ["x_shape", "c1"], ["seq_len"], axis=0),
+        n("Add", ["past_len", "seq_len"], ["end"]),
+        n("Range", ["past_len", "end", "c1"], ["positions"]),  # (seq,)
+        n("Concat", ["past", "new"], ["cache"], axis=2),  # (batch, 2, past + seq, 16)
+        n("Concat", ["extra", "new"], ["declared_sum"], axis=2),
+    ]
+    outputs = ["residual", "scores", "positions", "cache", "declared_sum"]
+    nodes += [n("Identity", [name], [f"{name}_out"]) for name in outputs]
+    graph = helper.make_graph(
+        nodes,
+        "experts",
+        [
+            helper.make_tensor_value_info("ids", TensorProto.INT64, ["batch", "seq"]),
+            helper.make_tensor_value_info("past", TensorProto.FLOAT, ["batch", 2, "past", 16]),
+            helper.make_tensor_value_info("new", TensorProto.FLOAT, ["batch", 2, "seq", 16]),
+            helper.make_tensor_value_info("extra", TensorProto.FLOAT, ["batch", 2, "past", 16]),
+            helper.make_tensor_value_info("mask", TensorProto.INT64, ["batch", declare]),
+        ],
+        [helper.make_tensor_value_info(f"{name}_out", TensorProto.FLOAT, None) for name in outputs],
+        inits,
+    )
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
+    return ir.serde.deserialize_model(proto)
+
+
+def test_flattened_tokens_are_a_product_that_cancels_back():
+    """batch*seq through the experts' reshapes, Gemm, TopK, ScatterElements, Tile and Clip:
+    the residual after them is (batch, seq, 64) again, so a later layer's shapes are known."""
+    model = _experts_graph()
+    _infer_types(model)
+    values = _values(model)
+    assert _dims(values["tokens"]) == ["batch*seq", 64]
+    assert _dims(values["logits"]) == ["batch*seq", 4]
+    assert _dims(values["top"]) == ["batch*seq", 2]
+    assert _dims(values["scores"]) == ["batch*seq", 4]
+    assert _dims(values["tiled"]) == ["4*batch*seq", 64]
+    assert _dims(values["routed"]) == [4, "batch*seq", 64]
+    assert _dims(values["clipped"]) == [4, "batch*seq", 64]
+    assert _dims(values["experts"]) == [4, "batch", "seq", 64]
+    assert _dims(values["residual"]) == ["batch", "seq", 64]
+
+
+def test_range_and_cache_concat_lengths():
+    model = _experts_graph()
+    _infer_types(model)
+    values = _values(model)
+    assert _dims(values["positions"]) == ["seq"]  # arange(past, past + seq)
+    assert _dims(values["cache"]) == ["batch", 2, "past+seq", 16]
+    assert _dims(values["declared_sum"]) == ["batch", 2, "past+seq", 16]
+
+
+def test_a_declared_name_is_never_written_as_a_sum():
+    """A declared dim means what its inputs say (ONNX: equal names, equal sizes): a derived
+    sum whose text is a declared name stays anonymous rather than claim that equality."""
+    model = _experts_graph(declare="past+seq")
+    _infer_types(model)
+    assert _values(model)["cache"].shape[2].value != "past+seq"
