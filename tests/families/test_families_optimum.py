@@ -118,13 +118,14 @@ def test_optimum_export_fuses_and_stays_equal(name, opset, tmp_path):
     assert result.passed, str(result)
 
 
-def test_gpt_oss_sliding_layer_fuses_with_its_sinks(tmp_path):
+def test_gpt_oss_fuses_every_layer_with_its_sinks(tmp_path):
     """Optimum's GPT-OSS (transformers 4.57 eager attention with sinks; its softmax is cast
     back to float32 before the sink column is dropped, a Cast ``same-type-cast`` removes):
-    the first (sliding) layer becomes GroupQueryAttention with head_sink and window, and the
-    model stays equal to the export. The full layer's sink column is not proven (it reads the
-    inputs by value through its computed Expand shape) and stays as exported, reported."""
-    from epfuse.patterns.reasons import ReasonCode
+    both layers become GroupQueryAttention with head_sink, the sliding one with its window,
+    and the model stays equal to the export. The full layer's sink column and mask read the
+    shapes of its Q and K, computed after the first layer's experts (tokens flattened to
+    batch*seq and routed by value): ``analysis.shapes`` derives them back to input dims, and
+    the proofs cut there (``ShapeCut``)."""
     from epfuse.testing.hf_families import SINK_FAMILIES
     from epfuse.testing.optimum_export import export_optimum_decoder
 
@@ -133,12 +134,21 @@ def test_gpt_oss_sliding_layer_fuses_with_its_sinks(tmp_path):
     original = onnx.load(str(path))
     assert_prompt_matches_hf(config, original, PROMPT)
     optimized, report = epfuse.optimize_with_report(original, "cpu")
+    windows = (W, None)  # layer_types: sliding, full
+    assert len(report.layers) == len(windows), report.summary()
     gqa = [n for n in optimized.graph.node if n.op_type == "GroupQueryAttention"]
-    assert len(gqa) == report.fused_layers == 1, report.summary()
-    attrs = {a.name: onnx.helper.get_attribute_value(a) for a in gqa[0].attribute}
-    assert attrs["local_window_size"] == W
-    assert len(gqa[0].input) > 11 and gqa[0].input[11]  # head_sink
+    assert len(gqa) == report.fused_layers == len(windows), report.summary()
+    for layer, node, window in zip(report.layers, gqa, windows, strict=True):
+        assert layer.fused and layer.result.startswith("GroupQueryAttention"), report.summary()
+        mask = "causal + padding" + (f" + sliding window {window}" if window else "")
+        assert layer.notes[0].split("; ")[0] == mask, report.summary()
+        assert "attention sinks as head_sink" in layer.notes[0], report.summary()
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+        assert attrs.get("local_window_size", -1) == (window or -1)
+        assert len(node.input) > 11 and node.input[11]  # head_sink
     sinks = next(r for r in report.rules if r.name == "attention-sinks-to-attention")
-    assert sinks.rewritten == 1 and ReasonCode.NOT_PROVEN in sinks.kept_codes, report.summary()
+    assert sinks.rewritten == len(windows) and not sinks.kept_codes, report.summary()
+    ops = {n.op_type for n in optimized.graph.node}
+    assert not ops & {"Attention", "ReduceLogSumExp", "IsNaN"}, sorted(ops)  # no kept layer
     result = compare_models(original, optimized, prompt_len=PROMPT, decode_past_len=PAST)
     assert result.passed, str(result)

@@ -37,7 +37,7 @@ import onnx_ir as ir
 
 from epfuse.tolerances import tolerance_for
 
-from .._evaluate import SubgraphEvaluator, _Unprovable, value_dependencies
+from .._evaluate import ShapeCut, SubgraphEvaluator, _Unprovable, value_dependencies
 from .._graph import (
     attr,
     const_ints,
@@ -217,21 +217,30 @@ def _prove_sinks(
     The sink column must not read any input by value (only shapes); the subgraph is run on
     random scores and V at several sizes and must equal softmax([s | sink])[:-1] @ V, with
     ``sink`` the column it evaluates to (one value per head, the same for every row).
+
+    The column may read the shape of an intermediate (transformers 4.x expands the sinks to
+    ``query_states.shape``): a ``Shape`` whose source's inferred shape is static sizes and
+    input dims is a cut (:class:`ShapeCut`), fed its vector at each probe. Without it a later
+    layer's Q shape reaches the earlier layers (GPT-OSS's experts route tokens by value) and
+    the column would count as reading the inputs by value, though it reads sizes only.
     """
     if not isinstance(num_heads, int) or not isinstance(v_heads, int):
         return "the head counts are not static"
     head_size = dim(v, 3)
     if not isinstance(head_size, int):
         return "V's head size is not static"
+    cuts: list[ShapeCut] = []
     try:
-        by_value, by_shape = value_dependencies(column)
+        by_value, by_shape = value_dependencies(column, shape_cuts=(ctx.graph, cuts))
     except _Unprovable as err:
         return str(err)
     if by_value:
         return "the sink column reads model inputs by value"
     shaped = sorted(by_shape, key=lambda x: x.name or "")
     try:
-        evaluator = SubgraphEvaluator(ctx.graph, [y, column], inputs=[scores, v, *shaped])
+        evaluator = SubgraphEvaluator(
+            ctx.graph, [y, column], inputs=[scores, v, *shaped, *(c.value for c in cuts)]
+        )
     except Exception as err:
         return f"the sink subgraph could not be evaluated ({type(err).__name__})"
     dtype = scores.dtype.numpy() if scores.dtype != ir.DataType.BFLOAT16 else np.float32
@@ -252,6 +261,12 @@ def _prove_sinks(
             if array is None:
                 return f"the sink column reads the shape of {value.name!r}, which cannot be sized"
             feeds[value.name] = array
+        sizes = {name: array.shape for name, array in feeds.items()}
+        for cut in cuts:
+            vector = cut.vector(sizes.get)
+            if vector is None:
+                return f"cannot size the shape {cut.value.name!r} the sink column reads"
+            feeds[cut.value.name] = vector
         try:
             got, col = evaluator(feeds)
         except Exception as err:

@@ -27,7 +27,9 @@ SINKS = np.array([2.5, -1.0, 0.3, 6.0], np.float32)
 
 @dataclasses.dataclass
 class Variant:
-    column: str = "expand"  # "expand" | "per-query" (varies along S) | "data" (reads v)
+    # "expand" (shape from input_ids) | "query-shape" (from Q's shape, Q computed from an
+    # input by value) | "per-query" (varies along S) | "data" (reads v)
+    column: str = "expand"
     max_shift: bool = True
     drop: str = "last"  # "last" | "first" (keeps the sink column)
     dtype: int = TensorProto.FLOAT
@@ -46,14 +48,25 @@ def _graph(v: Variant) -> onnx.ModelProto:
         helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", "seq"]),
     ]
     i64 = np.int64
+    q = "q"
+    if v.column == "query-shape":
+        # Q + CumSum(0 * min(input_ids)): Q's shape reads input_ids by value through an op
+        # value_dependencies does not know the shape rule of, as a later layer's Q reaches
+        # the previous layers' value-routed experts (TopK, ScatterElements).
+        ids = op(
+            "Cast", [op("ReduceMin", ["input_ids"], "ids_min", keepdims=1)], "ids_f", to=v.dtype
+        )
+        zero = op("CumSum", [op("Mul", [ids, const("zf", 0.0)], "zero"), const("a0", 0, i64)], "cs")
+        q = op("Add", ["q", zero], "q_plus")
     kt = op("Transpose", ["k"], "kt", perm=[0, 1, 3, 2])
-    scores = op("Mul", [op("MatMul", ["q", kt], "qk"), const("sc", 1 / math.sqrt(H))], "qk_s")
+    scores = op("Mul", [op("MatMul", [q, kt], "qk"), const("sc", 1 / math.sqrt(H))], "qk_s")
     bias = op("Where", ["keep", const("z", 0.0), const("mn", np.finfo(np_dtype).min)], "bias")
     scores = op("Add", [scores, bias], "scores")
     # The sink column's shape (B, N, S, 1) from the input_ids shape, as the export takes it.
-    ids_shape = op("Shape", ["input_ids"], "ids_shape")
+    ids_shape = op("Shape", [q if v.column == "query-shape" else "input_ids"], "ids_shape")
     batch = op("Slice", [ids_shape, const("z0", [0], i64), const("o1", [1], i64)], "b")
-    seq = op("Slice", [ids_shape, "o1", const("o2", [2], i64)], "s")
+    at = 2 if v.column == "query-shape" else 1  # Q is (B, N, S, H), input_ids (B, S)
+    seq = op("Slice", [ids_shape, const("at", [at], i64), const("o2", [at + 1], i64)], "s")
     target = op("Concat", [batch, const("n", [N], i64), seq, "o1"], "target", axis=0)
     if v.column == "per-query":
         sink_const = const("sinks", np.arange(S, dtype=np_dtype).reshape(1, 1, S, 1))
@@ -105,8 +118,13 @@ def _apply(model: onnx.ModelProto, dtype: str = "float32"):
 
 @pytest.mark.parametrize(
     "v",
-    [Variant(), Variant(max_shift=False), Variant(dtype=TensorProto.FLOAT16)],
-    ids=["max-shifted", "plain-softmax", "float16"],
+    [
+        Variant(),
+        Variant(max_shift=False),
+        Variant(dtype=TensorProto.FLOAT16),
+        Variant(column="query-shape"),
+    ],
+    ids=["max-shifted", "plain-softmax", "float16", "query-shape-column"],
 )
 def test_sinks_become_attention_with_an_exact_correction(v):
     original = _graph(v)
