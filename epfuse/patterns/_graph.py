@@ -301,8 +301,10 @@ def _elementwise(op: str, *args: Dim) -> Dim | None:
         return x if cond else y
     x, y = args
     if isinstance(x, int) and isinstance(y, int):
-        if op == "Div":
-            return x // y if y != 0 and x % y == 0 else None
+        if op == "Div":  # ONNX's integer Div truncates: floor where both are non-negative
+            if y != 0 and (x % y == 0 or (x >= 0 and y > 0)):
+                return x // y
+            return None
         return {"Add": x + y, "Sub": x - y, "Mul": x * y, "Equal": int(x == y)}[op]
     if op == "Equal":
         if x == y:

@@ -125,7 +125,9 @@ def test_gpt_oss_fuses_every_layer_with_its_sinks(tmp_path):
     and the model stays equal to the export. The full layer's sink column and mask read the
     shapes of its Q and K, computed after the first layer's experts (tokens flattened to
     batch*seq and routed by value): ``analysis.shapes`` derives them back to input dims, and
-    the proofs cut there (``ShapeCut``)."""
+    the proofs cut there (``ShapeCut``). Q and K are rotated by constant-cache
+    RotaryEmbedding nodes; GroupQueryAttention does not take the rotation (do_rotary=0):
+    the positions are computed in the graph, as in Optimum's Gemma exports."""
     from epfuse.testing.hf_families import SINK_FAMILIES
     from epfuse.testing.optimum_export import export_optimum_decoder
 
@@ -146,9 +148,13 @@ def test_gpt_oss_fuses_every_layer_with_its_sinks(tmp_path):
         attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
         assert attrs.get("local_window_size", -1) == (window or -1)
         assert len(node.input) > 11 and node.input[11]  # head_sink
+        # Q/K's half-width rotation (two Slices of chunk()) is lifted to RotaryEmbedding; its
+        # positions are arange(past, past + seq) computed in the graph (no position_ids).
+        assert attrs["do_rotary"] == 0 and _COMPUTED_POSITIONS in layer.notes[0]
     sinks = next(r for r in report.rules if r.name == "attention-sinks-to-attention")
     assert sinks.rewritten == len(windows) and not sinks.kept_codes, report.summary()
-    ops = {n.op_type for n in optimized.graph.node}
-    assert not ops & {"Attention", "ReduceLogSumExp", "IsNaN"}, sorted(ops)  # no kept layer
+    ops = [n.op_type for n in optimized.graph.node]
+    assert not set(ops) & {"Attention", "ReduceLogSumExp", "IsNaN", "Cos", "Sin"}, sorted(ops)
+    assert ops.count("RotaryEmbedding") == 2 * len(windows), sorted(ops)
     result = compare_models(original, optimized, prompt_len=PROMPT, decode_past_len=PAST)
     assert result.passed, str(result)

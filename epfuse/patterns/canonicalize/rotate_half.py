@@ -481,7 +481,7 @@ def per_token(value: ir.Value, x: ir.Value) -> bool:
     return same_dim(dim(value, 0), dim(ref, 0)) and same_dim(dim(value, 1), dim(ref, 2))
 
 
-def _expanded_positions(ctx: RewriteContext, before: ir.Node, positions, x) -> ir.Value:
+def expanded_positions(ctx: RewriteContext, before: ir.Node, positions, x) -> ir.Value:
     """``Expand(positions, [B, S])`` with B, S of the (B, N, S, H) ``x``.
 
     The exported graph multiplies x by cos/sin of the positions' (batch, seq), broadcast
@@ -673,7 +673,7 @@ class RotateHalfToRotaryEmbedding(
         source, chain, attributes, width = m.source, m.chain, m.attributes, m.width
         positions = input_at(rope, 3)
         if positions is not None and not per_token(positions, x):
-            rope.replace_input_with(3, _expanded_positions(ctx, node, positions, x))
+            rope.replace_input_with(3, expanded_positions(ctx, node, positions, x))
         ctx.graph.insert_before(node, rope)
         rope.replace_input_with(0, source)
         for key, value in attributes.items():

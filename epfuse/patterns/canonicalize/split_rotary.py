@@ -4,6 +4,8 @@ GPT-OSS's ``_apply_rotary_emb`` keeps cos/sin at half the head size and rotates 
 halves of the head explicitly::
 
     x1, x2 = Split(x, 2, axis=-1)                       # x: (B, N, S, D)
+                                                        # (TorchScript: two Slices, bounds
+                                                        # computed from Shape(x))
     c, s   = Unsqueeze(cos, 1), Unsqueeze(sin, 1)       # cos, sin: (B, S, D/2)
     y      = Concat(x1 * c - x2 * s, x2 * c + x1 * s, axis=-1)
 
@@ -13,7 +15,9 @@ same two halves, the same c and s in both terms, equal halves of a static even h
 cos/sin of the rotated dtype and half its width); it does not evaluate anything itself:
 ``rope_caches`` then proves the run-time cos/sin (YaRN's scaled ones included) to be rows of
 constant caches by evaluating them. Where cos/sin broadcast over the batch, they must first be
-proven cache rows of the (batch, seq) positions, as in ``rotate_half``.
+proven cache rows of the (batch, seq) positions, as in ``rotate_half``, and positions that
+broadcast over the batch (TorchScript exports compute ``arange(past, past + seq)[None]``)
+are expanded to the input's (batch, seq).
 """
 
 from __future__ import annotations
@@ -22,11 +26,19 @@ import dataclasses
 
 import onnx_ir as ir
 
-from .._graph import attr, const_ints, input_at, producer, remove_dead, replace_value
+from .._graph import (
+    attr,
+    const_ints,
+    input_at,
+    producer,
+    remove_dead,
+    replace_value,
+    shape_vector,
+)
 from .._opset import require_default_opset
 from ..base import Kept, RewriteContext, Rewritten, Rule, Stage
 from ..reasons import ReasonCode
-from .rotate_half import per_token, static_last, to_position_caches
+from .rotate_half import expanded_positions, per_token, static_last, to_position_caches
 
 
 def _mul_of(node: ir.Node | None, a: ir.Value, b: ir.Value) -> bool:
@@ -58,8 +70,46 @@ def _heads_unsqueezed(value: ir.Value, chain: list[ir.Node]) -> ir.Value | None:
     return source
 
 
-def _halves(x1: ir.Value, x2: ir.Value) -> tuple[ir.Node, ir.Value] | None:
-    """(Split, x) when x1, x2 are the two equal last-axis halves of a rank-4 x."""
+def _bound(node: ir.Node, index: int) -> int | None:
+    """A Slice bound evaluated to one int (TorchScript computes ``chunk``'s from the shape)."""
+    vector = shape_vector(input_at(node, index))
+    return vector[0] if vector is not None and len(vector) == 1 else None
+
+
+def _sliced_halves(x1: ir.Value, x2: ir.Value) -> tuple[list[ir.Node], ir.Value] | None:
+    """([Slice, Slice], x) when x1 = x[..., :D/2] and x2 = x[..., D/2:] of a rank-4 x:
+    ``torch.chunk(x, 2, dim=-1)`` traced by TorchScript, its bounds computed from Shape(x)
+    (``(D + 1) // 2``, times 1 and 2), evaluated symbolically."""
+    first, second = x1.producer(), x2.producer()
+    slices = (first, second)
+    if any(n is None or n.op_type != "Slice" or n.domain != "" for n in slices):
+        return None
+    x = first.inputs[0]
+    if second.inputs[0] is not x or x.shape is None or len(x.shape) != 4:
+        return None
+    width = static_last(x)
+    if width is None or width % 2:
+        return None
+    for n in slices:
+        axes = const_ints(input_at(n, 3)) if input_at(n, 3) is not None else None
+        steps = const_ints(input_at(n, 4)) if input_at(n, 4) is not None else [1]
+        if axes not in ([-1], [3]) or steps != [1]:
+            return None
+    half = width // 2
+    end = _bound(second, 2)
+    if (_bound(first, 1), _bound(first, 2), _bound(second, 1)) != (0, half, half):
+        return None
+    if not isinstance(end, int) or end < width:
+        return None
+    return [first, second], x
+
+
+def _halves(x1: ir.Value, x2: ir.Value) -> tuple[list[ir.Node], ir.Value] | None:
+    """(Split or its two Slices, x) when x1, x2 are the two equal last-axis halves of a
+    rank-4 x."""
+    sliced = _sliced_halves(x1, x2)
+    if sliced is not None:
+        return sliced
     split = x1.producer()
     if (
         split is None
@@ -81,7 +131,7 @@ def _halves(x1: ir.Value, x2: ir.Value) -> tuple[ir.Node, ir.Value] | None:
         return None
     if sizes is not None and sizes != [width // 2, width // 2]:
         return None
-    return split, x
+    return [split], x
 
 
 @dataclasses.dataclass
@@ -128,7 +178,7 @@ class SplitHalvesToRotaryEmbedding(
         if matched is None:
             return None
         (split, x), c4, s4 = matched
-        chain = [node, sub, add, a, b, *(t.producer() for t in add.inputs), split]
+        chain = [node, sub, add, a, b, *(t.producer() for t in add.inputs), *split]
         cos, sin = _heads_unsqueezed(c4, chain), _heads_unsqueezed(s4, chain)
         if cos is None or sin is None:
             return Kept(
@@ -171,6 +221,11 @@ class SplitHalvesToRotaryEmbedding(
 
     def rewrite(self, m: _SplitHalves, ctx: RewriteContext) -> Rewritten:
         node, rope, chain = m.node, m.rope, m.chain
+        positions = input_at(rope, 3)
+        if positions is not None and not per_token(positions, m.x):
+            # cos/sin of positions that broadcast over the batch (arange(past, past + seq)
+            # computed in the graph): RotaryEmbedding reads one position per (batch, token).
+            rope.replace_input_with(3, expanded_positions(ctx, node, positions, m.x))
         ctx.graph.insert_before(node, rope)
         out, target = rope.outputs[0], node.outputs[0]
         out.shape, out.type = target.shape, target.type

@@ -1,5 +1,7 @@
 """Half-width RoPE on Split halves (GPT-OSS) -> RotaryEmbedding: a small graph runs on ORT
-before and after the rule; a swapped sign (not a rotation) is not matched."""
+before and after the rule, with the halves from a Split or from the two Slices TorchScript
+traces ``chunk`` to (bounds computed from Shape(x)); a swapped sign (not a rotation) and
+slices that are not the halves are not matched."""
 
 from __future__ import annotations
 
@@ -20,12 +22,34 @@ from epfuse.tolerances import tolerance_for
 B, N, S, D = 2, 3, 5, 16
 
 
-def _graph(wrong_sign: bool = False) -> onnx.ModelProto:
+def _halves(form: str) -> list[onnx.NodeProto]:
+    """x1, x2: a Split, or torch.chunk(x, 2, -1) traced by TorchScript: h = (D + 1) // 2
+    from Shape(x), x1 = x[..., 0:h*1], x2 = x[..., h*1:h*2] ("off": x2 starts one early)."""
+    if form == "split":
+        return [helper.make_node("Split", ["x"], ["x1", "x2"], axis=3, num_outputs=2)]
+    n = helper.make_node
+    return [
+        n("Shape", ["x"], ["shape"]),
+        n("Gather", ["shape", "last"], ["width"], axis=0),
+        n("Add", ["width", "one_s"], ["width1"]),
+        n("Div", ["width1", "two_s"], ["h"]),  # 17 // 2: ONNX's integer Div truncates
+        n("Mul", ["h", "one_s"], ["h1"]),
+        n("Mul", ["h", "two_s"], ["h2"]),
+        n("Unsqueeze", ["h1", "zero"], ["end1"]),
+        n("Unsqueeze", ["h2", "zero"], ["end2"]),
+        *([n("Sub", ["end1", "one"], ["early"])] if form == "off" else []),
+        n("Slice", ["x", "zero", "end1", "minus1"], ["x1"]),
+        n("Slice", ["x", "early" if form == "off" else "end1", "end2", "minus1"], ["x2"]),
+    ]
+
+
+def _graph(wrong_sign: bool = False, halves: str = "split") -> onnx.ModelProto:
     f = TensorProto.FLOAT
+    i64 = TensorProto.INT64
     nodes = [
         helper.make_node("Unsqueeze", ["cos", "one"], ["c"]),
         helper.make_node("Unsqueeze", ["sin", "one"], ["s"]),
-        helper.make_node("Split", ["x"], ["x1", "x2"], axis=3, num_outputs=2),
+        *_halves(halves),
         helper.make_node("Mul", ["x1", "c"], ["a"]),
         helper.make_node("Mul", ["x2", "s"], ["b"]),
         helper.make_node("Add" if wrong_sign else "Sub", ["a", "b"], ["first"]),
@@ -43,7 +67,14 @@ def _graph(wrong_sign: bool = False) -> onnx.ModelProto:
             helper.make_tensor_value_info("sin", f, [B, S, D // 2]),
         ],
         [helper.make_tensor_value_info("y", f, None)],
-        [helper.make_tensor("one", TensorProto.INT64, [1], [1])],
+        [
+            helper.make_tensor("one", i64, [1], [1]),
+            helper.make_tensor("zero", i64, [1], [0]),
+            helper.make_tensor("minus1", i64, [1], [-1]),
+            helper.make_tensor("last", i64, [], [-1]),
+            helper.make_tensor("one_s", i64, [], [1]),
+            helper.make_tensor("two_s", i64, [], [2]),
+        ],
     )
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
 
@@ -62,8 +93,9 @@ def _run(model, feeds):
     )[0]
 
 
-def test_split_halves_become_rotary_embedding():
-    original = _graph()
+@pytest.mark.parametrize("halves", ["split", "slices"])
+def test_split_halves_become_rotary_embedding(halves):
+    original = _graph(halves=halves)
     lifted, outcome = _apply(original)
     assert isinstance(outcome, Rewritten), outcome
     proto = ir.to_proto(lifted)
@@ -75,7 +107,9 @@ def test_split_halves_become_rotary_embedding():
     np.testing.assert_allclose(_run(proto, feeds), _run(original, feeds), **vars(tol))
 
 
-@pytest.mark.parametrize("wrong_sign", [True])
-def test_not_a_rotation_is_not_matched(wrong_sign):
-    _, outcome = _apply(_graph(wrong_sign))
+@pytest.mark.parametrize(
+    ("wrong_sign", "halves"), [(True, "split"), (True, "slices"), (False, "off")]
+)
+def test_not_a_rotation_is_not_matched(wrong_sign, halves):
+    _, outcome = _apply(_graph(wrong_sign, halves))
     assert outcome is None
