@@ -43,6 +43,8 @@ def _families(exporter: str) -> dict[str, H.Family]:
     if exporter == "dynamo":  # transformers 5.x only (batched_mm experts, LongRoPE's config)
         for extra in ("MOE_FAMILIES", "SINK_FAMILIES", "LONGROPE_FAMILIES"):
             families.update(getattr(H, extra, {}))
+    else:  # GPT-OSS's config builds under 4.57 too (optimum-onnx 0.1.0 exports it)
+        families.update(H.SINK_FAMILIES)
     return families
 
 
