@@ -70,7 +70,7 @@ def _onnxscript_condition(context, **bindings) -> bool:
     """The same checks as epfuse's ``_valid``, on onnxscript's bindings (its op trees carry no
     attribute or constant predicates here, so those are tested first)."""
     from epfuse.patterns import matcher
-    from epfuse.patterns._graph import attr, const_ints
+    from epfuse.patterns._graph import attr, const_array, const_ints
     from epfuse.patterns.canonicalize import rotate_half
 
     m = matcher.Match()
@@ -89,9 +89,7 @@ def _onnxscript_condition(context, **bindings) -> bool:
         if bindings.get(f"{name}_kind") == 1:
             if const_ints(bindings.get(f"{name}_axes2")) not in ([-1], [4]):
                 return False
-            if not matcher.Const(rotate_half._pair_repeat).test(
-                rotate_half.const_array(bindings[f"{name}/repeat"])
-            ):
+            if not rotate_half._pair_repeat(const_array(bindings[f"{name}/repeat"]), 5):
                 return False
     if bindings.get("kind") == 0:
         m._names.pop("rotated", None)

@@ -9,7 +9,7 @@ commutative operand order written out twice. A pattern here says the shape once:
 
 A :class:`Var` binds the value it meets; meeting it again demands the same value (``x`` above
 is one tensor in the Mul and both Slices). ``commute=True`` tries both operand orders of a
-two-input op, :class:`Or` tries alternatives, :class:`Const` / :func:`Ints` / :func:`Scalar`
+two-input op, :class:`Or` tries alternatives, ``ABSENT`` is a missing optional input, :class:`Const` / :func:`Ints` / :func:`Scalar`
 test constants, attribute keywords test attributes (a literal, :class:`In`, or a callable),
 ``check=`` tests a matched node, and ``where=`` the whole match. The search backtracks fully:
 a failure anywhere (a later operand, a node check, ``where``) retries the earlier choices,
@@ -57,6 +57,17 @@ class Var(Pattern):
 
 ANY = Var()
 """Any value, bound to nothing."""
+
+
+class _Absent(Pattern):
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "ABSENT"
+
+
+ABSENT = _Absent()
+"""A missing optional input (``Or(Ints([1]), ABSENT)``: unit steps, given or defaulted)."""
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -253,6 +264,9 @@ def _value(p: Pattern, value: ir.Value | None, m: Match) -> Iterator[None]:
         m._values[p.name] = value
         yield
         del m._values[p.name]
+    elif isinstance(p, _Absent):
+        if value is None:
+            yield
     elif isinstance(p, Or):
         for alternative in p.alternatives:
             yield from _value(alternative, value, m)

@@ -5,7 +5,19 @@ import numpy as np
 import onnx_ir as ir
 import pytest
 
-from epfuse.patterns.matcher import ANY, Const, In, Ints, Or, Scalar, Var, match, match_value, op
+from epfuse.patterns.matcher import (
+    ABSENT,
+    ANY,
+    Const,
+    In,
+    Ints,
+    Or,
+    Scalar,
+    Var,
+    match,
+    match_value,
+    op,
+)
 
 
 def _value(name: str) -> ir.Value:
@@ -108,6 +120,15 @@ def test_input_counts_extra_and_optional_trailing_inputs():
     found = match(op.Slice(ANY, ANY, ANY, Var("axes", optional=True)), three)
     assert found is not None and found.get("axes") is None and "axes" in found
     assert match(op.Slice(ANY, ANY, ANY, Var("axes")), three) is None
+    # ABSENT: only a missing input (a given one fails unless another alternative takes it)
+    steps = Or(Ints([1]), ABSENT)
+    by_two = _n("Slice", x, starts, ends, ends, ends)  # steps [2]
+    assert match(op.Slice(ANY, ANY, ANY, ANY, steps), by_two) is None
+    assert match(op.Slice(ANY, ANY, ANY, ANY, steps), _n("Slice", x, starts, ends, ends))
+    assert match(op.Slice(ANY, ANY, ANY, ABSENT), three) is not None
+    unit = _const("one", np.array([1]))
+    assert match(op.Slice(ANY, ANY, ANY, ANY, steps), _n("Slice", x, starts, ends, ends, unit))
+    assert match(op.Slice(ANY, ANY, ABSENT), three) is None
 
 
 def test_output_index_domain_and_node_checks():

@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
-from .._graph import attr, const_ints, dim, input_at, producer, substitute
+from .._graph import attr, const_ints, dim, input_at, substitute
 from ..base import Kept, RewriteContext, Rewritten, Rule, Stage
+from ..matcher import ANY, In, match, op
 from ..reasons import ReasonCode
 
 
@@ -41,20 +42,27 @@ def _slice_range(node: ir.Node, head_size: int) -> tuple[ir.Value, int, int] | N
     return node.inputs[0], max(0, min(start, head_size)), max(0, min(end, head_size))
 
 
+_PARTIAL = op.Concat(
+    op.RotaryEmbedding(
+        op.Slice(ANY, extra_inputs=True, bind="head"), extra_inputs=True, bind="rope"
+    ),
+    op.Slice(ANY, extra_inputs=True, bind="tail"),
+    axis=In(-1, 3),
+)
+"""``Concat(RotaryEmbedding(head slice, ...), tail slice)`` on the last axis; that both slices
+read one x (and where) is checked apart, so that a near miss is reported."""
+
+
 class PartialRotaryToRotaryDim(
     Rule, name="partial-rotary-to-rotary-dim", stage=Stage.CANONICALIZE, anchor="Concat"
 ):
     """Concat(RotaryEmbedding(x[..., :R]), x[..., R:]) -> rotary_embedding_dim=R"""
 
     def match(self, node: ir.Node, ctx: RewriteContext):
-        if len(node.inputs) != 2 or attr(node, "axis") not in (-1, 3):
+        found = match(_PARTIAL, node)
+        if found is None:
             return None
-        rotated, passed = node.inputs
-        rope = producer(rotated, "RotaryEmbedding")
-        tail = producer(passed, "Slice")
-        head = producer(rope.inputs[0], "Slice") if rope is not None else None
-        if rope is None or tail is None or head is None:
-            return None
+        rope, head, tail = found.node("rope"), found.node("head"), found.node("tail")
         x = head.inputs[0]
         if x.shape is None or len(x.shape) != 4 or not isinstance(dim(x, 3), int):
             return Kept(
@@ -78,8 +86,8 @@ class PartialRotaryToRotaryDim(
             return Kept(ReasonCode.FORM, "the sliced RotaryEmbedding is itself partial")
         return node, rope, x, rotary_dim, head_size
 
-    def rewrite(self, match, ctx: RewriteContext) -> Rewritten:
-        node, rope, x, rotary_dim, head_size = match
+    def rewrite(self, found, ctx: RewriteContext) -> Rewritten:
+        node, rope, x, rotary_dim, head_size = found
         rotated = node.inputs[0]
         attributes = {
             "interleaved": int(attr(rope, "interleaved", 0)),

@@ -72,7 +72,20 @@ from .._graph import (
 )
 from .._opset import require_default_opset
 from ..base import Kept, RewriteContext, Rewritten, Rule, Stage
-from ..matcher import ANY, Const, In, Ints, Match, Or, Pattern, Var, match, op
+from ..matcher import (
+    ANY,
+    Const,
+    In,
+    Ints,
+    Match,
+    OpPattern,
+    Or,
+    Pattern,
+    Var,
+    match,
+    match_value,
+    op,
+)
 from ..reasons import ReasonCode
 from .rope_caches import RopeCosSinToCaches, find_freqs, full_width_caches, table_caches
 
@@ -170,29 +183,30 @@ def _accepts(term, allowed, allowzero: int) -> bool:
     return (term == 0 and not allowzero) or term in allowed
 
 
+_REPEATED_PAIRS = op.Reshape(
+    op.Expand(
+        op.Unsqueeze(Var("f"), Ints([-1], [3]), bind="unsqueeze"),
+        Const(lambda r: _pair_repeat(r, 4)),
+        bind="expand",
+    ),
+    ANY,
+    bind="reshape",
+)
+
+
 def _repeat_interleave_source(value: ir.Value) -> ir.Value | None:
     """f when ``value = Reshape(Expand(Unsqueeze(f, -1), [1, .., 1, 2]), [B, S, -1])``:
     ``repeat_interleave(f, 2, dim=-1)``, i.e. [f0, f0, f1, f1, ...]."""
-    reshape = producer(value, "Reshape")
-    expand = producer(reshape.inputs[0], "Expand") if reshape else None
-    unsq = producer(expand.inputs[0], "Unsqueeze") if expand else None
-    if unsq is None or const_ints(input_at(unsq, 1)) not in ([-1], [3]):
+    found = match_value(_REPEATED_PAIRS, value)
+    if found is None:
         return None
-    f = unsq.inputs[0]
-    if f.shape is None or len(f.shape) != 3 or static_last(f) is None:
+    f = found["f"]
+    width = static_last(f) if f.shape is not None and len(f.shape) == 3 else None
+    if width is None:
         return None
-    repeat = const_ints(expand.inputs[1])
-    if repeat is None or len(repeat) > 4 or repeat[-1] != 2 or any(r != 1 for r in repeat[:-1]):
-        return None
-    target = shape_vector(reshape.inputs[1])
-    allowzero = attr(reshape, "allowzero", 0)
-    if target is None or len(target) != 3 or target.count(-1) > 1:
-        return None
-    for axis in range(2):
-        allowed = (dim(f, axis), dim(unsq.outputs[0], axis), dim(expand.outputs[0], axis), -1)
-        if not _accepts(target[axis], allowed, allowzero):
-            return None
-    if target[2] not in (2 * static_last(f), -1):
+    reshape = found.node("reshape")
+    kept = (f, found.node("unsqueeze").outputs[0], found.node("expand").outputs[0])
+    if not _reshape_keeps(reshape, 3, 2, *kept) or _target(reshape)[2] not in (2 * width, -1):
         return None
     return f
 
@@ -241,7 +255,7 @@ def _trig_factor(name: str) -> Pattern:
     repeated = op.Reshape(
         op.Expand(
             op.Unsqueeze(op.Slice(heads, extra_inputs=True, bind=f"{name}/first"), Ints([-1], [4])),
-            Const(_pair_repeat, name=f"{name}/repeat"),
+            Const(lambda r: _pair_repeat(r, 5)),
             bind=f"{name}/expand",
         ),
         ANY,
@@ -250,11 +264,13 @@ def _trig_factor(name: str) -> Pattern:
     return Or(heads, repeated)
 
 
-def _pair_repeat(repeat: np.ndarray) -> bool:
+def _pair_repeat(repeat: np.ndarray, rank: int) -> bool:
+    """An Expand target ``[1, .., 1, 2]`` of at most ``rank`` entries: a new last axis
+    repeated twice."""
     values = [int(r) for r in repeat.reshape(-1)]
     return (
         repeat.dtype.kind in "iu"
-        and len(values) <= 5
+        and len(values) <= rank
         and values[-1:] == [2]
         and all(r == 1 for r in values[:-1])
     )
@@ -279,10 +295,8 @@ def _valid(m: Match) -> bool:
         odd, even = _strided_slice(m.node("odd"), 4), _strided_slice(m.node("even"), 4)
         if odd is None or even is None or (even[1], odd[1]) != (0, 1):
             return False
-        if not _reshape_keeps(m.node("rotated"), x, 3) or _target(m.node("rotated"))[3] not in (
-            width,
-            -1,
-        ):
+        rotated = m.node("rotated")
+        if not _reshape_keeps(rotated, 4, 3, x) or _target(rotated)[3] not in (width, -1):
             return False
     else:
         half = width // 2
@@ -305,16 +319,17 @@ def _target(reshape: ir.Node) -> list | None:
     return shape_vector(reshape.inputs[1])
 
 
-def _reshape_keeps(reshape: ir.Node, x: ir.Value, axes: int, *others: ir.Value) -> bool:
-    """The Reshape's target is 4-D and keeps the first ``axes`` axes of ``x`` (0 to copy, the
-    same run-time dim, or the one -1; ``others``' dims are the same axes seen elsewhere)."""
+def _reshape_keeps(reshape: ir.Node, rank: int, kept: int, *refs: ir.Value) -> bool:
+    """The Reshape's target has ``rank`` entries and keeps its first ``kept`` axes: each is
+    0 (copy), the one -1, or that axis' run-time dim in one of ``refs`` (the same axis seen
+    before and after the ops in between)."""
     target = _target(reshape)
     allowzero = attr(reshape, "allowzero", 0)
-    if target is None or len(target) != 4 or target.count(-1) > 1:
+    if target is None or len(target) != rank or target.count(-1) > 1:
         return False
     return all(
-        _accepts(target[axis], (dim(x, axis), *(dim(o, axis) for o in others), -1), allowzero)
-        for axis in range(axes)
+        _accepts(target[axis], (*(dim(r, axis) for r in refs), -1), allowzero)
+        for axis in range(kept)
     )
 
 
@@ -329,7 +344,7 @@ def _repeated_halves(m: Match, name: str) -> bool:
         return False
     reshape = m.node(f"{name}/repeated")
     expand = m.node(f"{name}/expand")
-    if not _reshape_keeps(reshape, heads.outputs[0], 3, expand.outputs[0]):
+    if not _reshape_keeps(reshape, 4, 3, heads.outputs[0], expand.outputs[0]):
         return False
     return _target(reshape)[3] in (width, -1)
 
@@ -375,15 +390,40 @@ _NONDETERMINISTIC = (
 )
 
 
+_HALVES = op.Concat(
+    Var("h", check=lambda h: h.shape is not None and len(h.shape) == 3), Var("h2"), axis=In(-1, 2)
+)
+
+
 def _equal_halves(value: ir.Value) -> ir.Value | None:
     """h when ``value = Concat(h, h')`` on the last axis with h' provably equal to h."""
-    concat = producer(value, "Concat")
-    if concat is None or len(concat.inputs) != 2 or attr(concat, "axis") not in (-1, 2):
-        return None
-    h = concat.inputs[0]
-    if h is None or h.shape is None or len(h.shape) != 3:
-        return None
-    return h if same_computation(h, concat.inputs[1]) else None
+    found = match_value(_HALVES, value, where=lambda m: same_computation(m["h"], m["h2"]))
+    return None if found is None else found["h"]
+
+
+def _scale_step(core: Pattern) -> OpPattern:
+    # a Mul by a scalar constant of rank <= 1 (attention_scaling)
+    scale = Var(
+        check=lambda v: const_scalar(v) is not None and v.shape is not None and len(v.shape) <= 1
+    )
+    return op.Mul(core, scale, commute=True, bind="mul")
+
+
+def _outer_steps(trig: str) -> Pattern:
+    """``full`` under at most one scalar Mul and one Cast, in either order (most steps
+    first: the search keeps the first choice whose core ``_half_plan`` can undo); the core
+    ``pre`` is read with or without the trig op on top."""
+    core = Or(Var("pre"), getattr(op, trig)(Var("pre"), bind="trig"))
+    return Or(
+        op.Cast(_scale_step(core), bind="cast"),
+        _scale_step(op.Cast(core, bind="cast")),
+        op.Cast(core, bind="cast"),
+        _scale_step(core),
+        core,
+    )
+
+
+_OUTER_STEPS = {trig: _outer_steps(trig) for trig in ("Cos", "Sin")}
 
 
 def _half_plan(full: ir.Value, trig: str, interleaved: bool = False):
@@ -391,37 +431,19 @@ def _half_plan(full: ir.Value, trig: str, interleaved: bool = False):
     most one ``Mul`` by a scalar constant and one ``Cast`` (in either order), either
     ``trig(Concat(f, f))`` (h = f, trig re-applied) or ``Concat(t, t)`` (h = t): each half of
     ``full`` is then exactly the same steps applied to ``trig(f)`` (or t)."""
-    outer_first: list[ir.Node] = []
-    value = full
-    for _ in range(2):
-        node = value.producer()
-        if node is None or node.domain != "" or any(n.op_type == node.op_type for n in outer_first):
-            break
-        if node.op_type == "Cast":
-            outer_first.append(node)
-            value = node.inputs[0]
-        elif node.op_type == "Mul":
-            for b in (0, 1):
-                operand = node.inputs[b]
-                shape = operand.shape
-                if const_scalar(operand) is not None and shape is not None and len(shape) <= 1:
-                    outer_first.append(node)
-                    value = node.inputs[1 - b]
-                    break
-            else:
-                return None
-        else:
-            break
-    steps = list(reversed(outer_first))
     undo = _repeat_interleave_source if interleaved else _equal_halves
-    half = undo(value)
-    if half is not None:
-        return None, half, steps
-    trig_node = producer(value, trig)
-    half = undo(trig_node.inputs[0]) if trig_node else None
-    if half is None:
+    halves: list[ir.Value] = []
+
+    def undone(m: Match) -> bool:
+        half = undo(m["pre"])
+        halves[:] = [half] if half is not None else []
+        return half is not None
+
+    found = match_value(_OUTER_STEPS[trig], full, where=undone)
+    if found is None:
         return None
-    return trig_node, half, steps
+    steps = [n for n in reversed(found.nodes) if n.op_type in ("Cast", "Mul")]
+    return found.optional_node("trig"), halves[0], steps
 
 
 def _half(ctx: RewriteContext, full: ir.Value, plan, before: ir.Node) -> ir.Value:

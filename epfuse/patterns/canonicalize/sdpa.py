@@ -53,6 +53,7 @@ from ..analysis.head_counts import axis_size, record_heads
 from ..analysis.manager import Unproven
 from ..analysis.mask_proof import MASKED_BELOW, MaskProof
 from ..base import Kept, RewriteContext, Rewritten, Rule, Stage
+from ..matcher import ABSENT, Ints, Match, Or, Var, match_value, op
 from ..reasons import ReasonCode
 
 _FLOATS = (ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16, ir.DataType.DOUBLE)
@@ -99,18 +100,27 @@ def _static_scalar(value: ir.Value, depth: int = 0) -> np.ndarray | None:
     return op[node.op_type](a, b)
 
 
+def _scalar(operand: ir.Value) -> float | None:
+    """c when ``operand`` is a floating scalar (rank <= 4) that is a constant or computed
+    from constants and static dims (``_static_scalar``)."""
+    array = _static_scalar(operand) if operand.shape is None or len(operand.shape) <= 4 else None
+    if array is None or array.size != 1 or array.ndim > 4 or array.dtype.kind != "f":
+        return None
+    return float(array.reshape(-1)[0])
+
+
+def _computed(value: ir.Value) -> bool:
+    """Not a constant, nor computed from constants and static dims."""
+    return value.const_value is None and _static_scalar(value) is None
+
+
 def _scalar_operand(node: ir.Node) -> tuple[float, ir.Value] | None:
-    """(c, x) when the binary ``node`` has one scalar operand c (rank <= 4) that is a
-    constant or computed from constants and static dims (``_static_scalar``)."""
+    """(c, x) when the binary ``node`` has one scalar operand c (``_scalar``) and x is
+    computed (``_computed``)."""
     for a, b in ((0, 1), (1, 0)):
-        operand = node.inputs[b]
-        array = (
-            _static_scalar(operand) if operand.shape is None or len(operand.shape) <= 4 else None
-        )
-        if array is None or array.size != 1 or array.ndim > 4 or array.dtype.kind != "f":
-            continue
-        if node.inputs[a].const_value is None and _static_scalar(node.inputs[a]) is None:
-            return float(array.reshape(-1)[0]), node.inputs[a]
+        c = _scalar(node.inputs[b])
+        if c is not None and _computed(node.inputs[a]):
+            return c, node.inputs[a]
     return None
 
 
@@ -137,29 +147,42 @@ def _peel_scale(value: ir.Value, chain: list[ir.Node]) -> tuple[ir.Value, float]
     return value, factor
 
 
+def _perm(*axes: int):
+    """An attribute predicate: ``perm`` is ``axes``."""
+    return lambda perm: perm is not None and list(perm) == list(axes)
+
+
+_K_SWAPPED = Or(
+    op.Transpose(Var("k"), perm=_perm(0, 1, 3, 2)),
+    # torch: Reshape(K, [-1, T, H]) -> Transpose(0, 2, 1) -> Reshape([B, N, H, T])
+    op.Reshape(
+        op.Transpose(op.Reshape(Var("k"), Var("first")), perm=_perm(0, 2, 1)),
+        Var("last"),
+        bind="outer",
+    ),
+)
+
+
+def _swaps_last_axes(m: Match) -> bool:
+    """The torch form's Reshape targets, proven from ``Shape(K)``: [-1, T, H] and
+    [B, N, H, T] of the rank-4 K."""
+    if "outer" not in m:
+        return True
+    k = m["k"]
+    if _rank(k) != 4:
+        return False
+    d = [dim(k, i) for i in range(4)]
+    first, last = shape_vector(m["first"]), shape_vector(m["last"])
+    return first == [-1, d[2], d[3]] and last == [d[0], d[1], d[3], d[2]]
+
+
 def _untranspose(kt: ir.Value, chain: list[ir.Node]) -> ir.Value | None:
     """K when ``kt`` is K (B, N, T, H) with its last two axes swapped."""
-    transpose = producer(kt, "Transpose")
-    if transpose is not None:
-        if list(attr(transpose, "perm", [])) != [0, 1, 3, 2]:
-            return None
-        chain.append(transpose)
-        return transpose.inputs[0]
-    # torch: Reshape(K, [-1, T, H]) -> Transpose(0, 2, 1) -> Reshape([B, N, H, T])
-    outer = producer(kt, "Reshape")
-    transpose = producer(outer.inputs[0], "Transpose") if outer else None
-    inner = producer(transpose.inputs[0], "Reshape") if transpose else None
-    if inner is None or list(attr(transpose, "perm", [])) != [0, 2, 1]:
+    found = match_value(_K_SWAPPED, kt, where=_swaps_last_axes)
+    if found is None:
         return None
-    k = inner.inputs[0]
-    if _rank(k) != 4:
-        return None
-    first, last = shape_vector(inner.inputs[1]), shape_vector(outer.inputs[1])
-    d = [dim(k, i) for i in range(4)]
-    if first != [-1, d[2], d[3]] or last != [d[0], d[1], d[3], d[2]]:
-        return None
-    chain.extend([outer, transpose, inner])
-    return k
+    chain.extend(found.nodes)
+    return found["k"]
 
 
 def _proven_finite(value: ir.Value, depth: int = 0) -> bool:
@@ -185,17 +208,14 @@ def _key_slice_source(value: ir.Value, k: ir.Value) -> ir.Value:
     """``x`` when ``value`` is ``x[..., :T]`` with T the key length of K (torch's SDPA slices
     the mask to the keys); else ``value``. The slice is a no-op exactly when ``x`` has T
     columns, which the mask proof establishes (a longer mask does not broadcast)."""
-    node = producer(value, "Slice")
-    if node is None or len(node.inputs) < 4:
+    found = match_value(_KEY_SLICE, value)
+    if found is None or _rank(found["x"]) != 4 or shape_vector(found["end"]) != [dim(k, 2)]:
         return value
-    steps = node.inputs[4] if len(node.inputs) > 4 else None
-    if const_ints(node.inputs[1]) != [0] or const_ints(node.inputs[3]) not in ([-1], [3]):
-        return value
-    if (steps is not None and const_ints(steps) != [1]) or _rank(node.inputs[0]) != 4:
-        return value
-    if shape_vector(node.inputs[2]) != [dim(k, 2)]:
-        return value
-    return node.inputs[0]
+    return found["x"]
+
+
+_KEY_SLICE = op.Slice(Var("x"), Ints([0]), Var("end"), Ints([-1], [3]), Or(Ints([1]), ABSENT))
+"""``x[..., :end]``: a last-axis Slice from 0 with unit step (or none)."""
 
 
 def _lowest(dtype: ir.DataType) -> float:
@@ -299,30 +319,37 @@ class AttentionMatch:
         self.softmax_precision: int | None = None
 
 
+_SOFTCAP = op.Mul(
+    op.Tanh(
+        Or(
+            op.Div(Var("x"), Var("divisor"), bind="inner"),
+            op.Mul(Var("x"), Var("factor"), commute=True, bind="inner"),
+        )
+    ),
+    Var("cap", check=lambda v: (c := _scalar(v)) is not None and c > 0),
+    commute=True,
+)
+"""``cap * Tanh(x / cap)`` (or ``x * (1 / cap)``): Gemma-2's logit softcap."""
+
+
+def _caps(m: Match) -> bool:
+    cap = _scalar(m["cap"])
+    if "divisor" in m:
+        return const_scalar(m["divisor"]) == cap
+    factor = _scalar(m["factor"])
+    return (
+        factor is not None and _computed(m["x"]) and math.isclose(factor * cap, 1.0, rel_tol=1e-6)
+    )
+
+
 def _parse_softcap(value: ir.Value, m: AttentionMatch) -> ir.Value:
     """Strip ``cap * Tanh(x / cap)``; records the cap."""
-    mul = producer(value, "Mul")
-    got = _scalar_operand(mul) if mul else None
-    tanh = producer(got[1], "Tanh") if got else None
-    if tanh is None or got[0] <= 0:
+    found = match_value(_SOFTCAP, value, where=_caps)
+    if found is None:
         return value
-    cap = got[0]
-    inner = tanh.inputs[0].producer()
-    if inner is None or inner.domain != "":
-        return value
-    if inner.op_type == "Div" and const_scalar(inner.inputs[1]) == cap:
-        x = inner.inputs[0]
-    elif (
-        inner.op_type == "Mul"
-        and (g := _scalar_operand(inner))
-        and math.isclose(g[0] * cap, 1.0, rel_tol=1e-6)
-    ):
-        x = g[1]
-    else:
-        return value
-    m.softcap = cap
-    m.chain.extend([mul, tanh, inner])
-    return x
+    m.softcap = _scalar(found["cap"])
+    m.chain.extend(found.nodes)
+    return found["x"]
 
 
 def _parse_scores(scores: ir.Value, m: AttentionMatch) -> tuple[ir.Value, ir.Value] | str | None:

@@ -22,8 +22,9 @@ import onnx_ir as ir
 
 from epfuse.capabilities.emissions import Capability
 
-from .._graph import attr, dim, ensure_opset, input_at, producer, substitute
+from .._graph import attr, dim, ensure_opset, input_at, substitute
 from ..base import Kept, RewriteContext, Rewritten, Rule, Stage
+from ..matcher import Var, match_value, op
 from ..reasons import ReasonCode
 
 _ONNX_DEFAULT_EPS = 1e-5
@@ -52,13 +53,16 @@ def _last_axis_norm(node: ir.Node, has_bias: bool) -> tuple[int, float] | str:
     return width, float(attr(node, "epsilon", _ONNX_DEFAULT_EPS))
 
 
+_RESIDUAL = op.Add(Var("a"), Var("b"), bind="add")
+
+
 def _residual_add(node: ir.Node) -> tuple[ir.Node, ir.Value, ir.Value] | str | None:
     """The Add feeding ``node`` with operands of provably the same shape."""
-    add = producer(node.inputs[0], "Add")
-    if add is None:
+    found = match_value(_RESIDUAL, node.inputs[0])
+    if found is None:
         return None
-    a, b = add.inputs
-    if a is None or b is None or a.shape is None or b.shape is None:
+    add, a, b = found.node("add"), found["a"], found["b"]
+    if a.shape is None or b.shape is None:
         return "residual Add operand shapes are unknown"
     if len(a.shape) != len(b.shape) or len(a.shape) not in (2, 3):
         return "residual Add operands are not both rank 2 or 3"
