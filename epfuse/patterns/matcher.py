@@ -132,6 +132,33 @@ class OpPattern(Pattern):
     extra_inputs: bool = False
     check: Callable[[ir.Node], bool] | None = None
 
+    def __post_init__(self) -> None:
+        # Precomputed for speed: the domains accepted, and per input the op types its
+        # producer may have (None: any), so that most failing anchors are refused after a
+        # few producer() reads, before any search state is built.
+        domains = ("", "ai.onnx") if self.domain == "" else (self.domain,)
+        object.__setattr__(self, "_domains", domains)
+        object.__setattr__(self, "_heads", tuple(_head_ops(i) for i in self.inputs))
+
+
+def _head_ops(p: Pattern) -> frozenset[str] | None:
+    """The op types a value matching ``p`` may be produced by (None: not only ops)."""
+    if isinstance(p, OpPattern):
+        return frozenset([p.op_type])
+    if isinstance(p, Or):
+        heads = [_head_ops(a) for a in p.alternatives]
+        return None if any(h is None for h in heads) else frozenset().union(*heads)
+    return None
+
+
+def _plausible(heads: tuple[frozenset[str] | None, ...], values: list[ir.Value | None]) -> bool:
+    for want, value in zip(heads, values, strict=True):
+        if want is not None:
+            node = value.producer() if value is not None else None
+            if node is None or node.op_type not in want:
+                return False
+    return True
+
 
 class _Ops:
     """``op.Add(a, b, commute=True, bind="add", axis=In(-1, 3))`` builds an OpPattern; the
@@ -231,7 +258,7 @@ def _value(p: Pattern, value: ir.Value | None, m: Match) -> Iterator[None]:
         if value is None:
             return
         node = value.producer()
-        if node is None or value.index() != p.output:
+        if node is None or len(node.outputs) <= p.output or node.outputs[p.output] is not value:
             return
         yield from _node(p, node, m)
     elif isinstance(p, Var):
@@ -275,7 +302,7 @@ def _value(p: Pattern, value: ir.Value | None, m: Match) -> Iterator[None]:
 
 
 def _node(p: OpPattern, node: ir.Node, m: Match) -> Iterator[None]:
-    if node.op_type != p.op_type or node.domain not in (p.domain, _alias(p.domain)):
+    if node.op_type != p.op_type or node.domain not in p._domains:
         return
     if len(node.inputs) > len(p.inputs) and not p.extra_inputs:
         return
@@ -295,8 +322,9 @@ def _node(p: OpPattern, node: ir.Node, m: Match) -> Iterator[None]:
     m.nodes.append(node)
     inputs = list(node.inputs[: len(p.inputs)])
     inputs += [None] * (len(p.inputs) - len(inputs))
-    yield from _inputs(p.inputs, inputs, 0, m)
-    if p.commute:
+    if _plausible(p._heads, inputs):
+        yield from _inputs(p.inputs, inputs, 0, m)
+    if p.commute and _plausible(p._heads, inputs[::-1]):
         yield from _inputs(p.inputs, inputs[::-1], 0, m)
     m.nodes.pop()
     if p.bind is not None:
@@ -306,12 +334,13 @@ def _node(p: OpPattern, node: ir.Node, m: Match) -> Iterator[None]:
 def _inputs(
     patterns: tuple[Pattern, ...], values: list[ir.Value | None], i: int, m: Match
 ) -> Iterator[None]:
-    if i == len(patterns):
+    n = len(patterns)
+    while i < n and patterns[i] is ANY:  # (skipped without a generator: the common case)
+        if values[i] is None:
+            return
+        i += 1
+    if i == n:
         yield
         return
     for _ in _value(patterns[i], values[i], m):
         yield from _inputs(patterns, values, i + 1, m)
-
-
-def _alias(domain: str) -> str:
-    return "ai.onnx" if domain == "" else domain
