@@ -27,7 +27,7 @@ builds a general match record per try.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -201,12 +201,14 @@ class Match:
     (``m.node("concat")``), and every matched node in visiting order (``m.nodes``, the anchor
     first) -- the chain a rewrite leaves dead."""
 
-    __slots__ = ("_names", "_values", "nodes")
+    __slots__ = ("_names", "_trail", "_values", "nodes")
 
     def __init__(self) -> None:
         self._values: dict[str, ir.Value | None] = {}
         self._names: dict[str, ir.Node] = {}
         self.nodes: list[ir.Node] = []
+        self._trail: list[tuple[int, str | None]] = []
+        """What the search bound, in order, so that a failed choice is undone (``_undo``)."""
 
     def __getitem__(self, name: str) -> ir.Value:
         return self._values[name]
@@ -223,124 +225,158 @@ class Match:
     def optional_node(self, name: str) -> ir.Node | None:
         return self._names.get(name)
 
-    def _copy(self) -> Match:
-        out = Match()
-        out._values, out._names, out.nodes = dict(self._values), dict(self._names), list(self.nodes)
-        return out
-
 
 def match(
     pattern: OpPattern, node: ir.Node, where: Callable[[Match], bool] | None = None
 ) -> Match | None:
     """The first way ``node`` (the anchor) is ``pattern``'s root for which ``where`` holds,
     or None."""
-    state = Match()
-    for _ in _node(pattern, node, state):
-        if where is None or where(state):
-            return state._copy()
-    return None
+    m = Match()
+    inputs = _open(pattern, node, m)
+    if inputs is None:
+        return None
+    return m if _branch(pattern, inputs, None, m, where) else None
 
 
 def match_value(
     pattern: Pattern, value: ir.Value | None, where: Callable[[Match], bool] | None = None
 ) -> Match | None:
     """The first way ``value`` is ``pattern`` for which ``where`` holds, or None."""
-    state = Match()
-    for _ in _value(pattern, value, state):
-        if where is None or where(state):
-            return state._copy()
-    return None
+    m = Match()
+    return m if _solve((pattern, value, None), m, where) else None
 
 
-def _value(p: Pattern, value: ir.Value | None, m: Match) -> Iterator[None]:
-    """Each way ``value`` matches ``p``, binding into ``m`` (undone before the next way)."""
-    if isinstance(p, OpPattern):
-        if value is None:
-            return
-        node = value.producer()
-        if node is None or len(node.outputs) <= p.output or node.outputs[p.output] is not value:
-            return
-        yield from _node(p, node, m)
-    elif isinstance(p, Var):
-        if value is None and not p.optional:
-            return
-        if p.name is None:
-            if p.check is None or (value is not None and p.check(value)):
-                yield
-            return
-        if p.name in m._values:
-            if m._values[p.name] is value:
-                yield
-            return
-        if p.check is not None and (value is None or not p.check(value)):
-            return
-        m._values[p.name] = value
-        yield
-        del m._values[p.name]
-    elif isinstance(p, Const):
-        array = const_array(value)
-        if array is None or not p.test(array):
-            return
-        if p.name is None:
-            yield
-            return
-        if p.name in m._values:
-            if m._values[p.name] is value:
-                yield
-            return
-        m._values[p.name] = value
-        yield
-        del m._values[p.name]
-    elif isinstance(p, _Absent):
-        if value is None:
-            yield
-    elif isinstance(p, Or):
-        for alternative in p.alternatives:
-            yield from _value(alternative, value, m)
-    else:
-        raise TypeError(f"not a pattern: {p!r}")
+# The search: ``todo`` is what is left to match, a linked list ``(pattern, value, rest)``
+# shared between choices, so a choice point (commuted operands, Or) just tries each choice
+# on the same rest and undoes what it bound. Everything between choice points is a loop.
+_Todo = tuple[Pattern, "ir.Value | None", "_Todo"] | None
 
 
-def _node(p: OpPattern, node: ir.Node, m: Match) -> Iterator[None]:
+def _solve(todo: _Todo, m: Match, where: Callable[[Match], bool] | None) -> bool:
+    """Match everything in ``todo`` (then ``where``); on success ``m`` holds the bindings,
+    on failure the caller undoes them to its mark."""
+    while todo is not None:
+        p, value, todo = todo
+        if type(p) is OpPattern:
+            if value is None:
+                return False
+            node = value.producer()
+            if node is None or len(node.outputs) <= p.output or node.outputs[p.output] is not value:
+                return False
+            inputs = _open(p, node, m)
+            if inputs is None:
+                return False
+            if not inputs:  # the node was matched before under its bind name
+                continue
+            if p.commute:
+                return _branch(p, inputs, todo, m, where)
+            if not _plausible(p._heads, inputs):
+                return False
+            todo = _push(p.inputs, inputs, todo)
+        elif type(p) is Var:
+            if value is None and not p.optional:
+                return False
+            if p.name is None:
+                if p.check is not None and (value is None or not p.check(value)):
+                    return False
+            elif p.name in m._values:
+                if m._values[p.name] is not value:
+                    return False
+            else:
+                if p.check is not None and (value is None or not p.check(value)):
+                    return False
+                m._values[p.name] = value
+                m._trail.append((0, p.name))
+        elif type(p) is Or:
+            mark = len(m._trail)
+            made = value.producer() if value is not None else None
+            for alternative in p.alternatives:
+                if type(alternative) is OpPattern and (
+                    made is None or made.op_type != alternative.op_type
+                ):
+                    continue  # (refused without a recursion: the common case)
+                if _solve((alternative, value, todo), m, where):
+                    return True
+                _undo(m, mark)
+            return False
+        elif type(p) is Const:
+            array = const_array(value)
+            if array is None or not p.test(array):
+                return False
+            if p.name is not None:
+                if p.name in m._values:
+                    if m._values[p.name] is not value:
+                        return False
+                else:
+                    m._values[p.name] = value
+                    m._trail.append((0, p.name))
+        elif type(p) is _Absent:
+            if value is not None:
+                return False
+        else:
+            raise TypeError(f"not a pattern: {p!r}")
+    return where is None or where(m)
+
+
+def _open(p: OpPattern, node: ir.Node, m: Match) -> list[ir.Value | None] | None:
+    """Check ``node`` itself against ``p`` and bind it; its inputs to match next (none when
+    the same node was bound under this name before), or None."""
     if node.op_type != p.op_type or node.domain not in p._domains:
-        return
+        return None
     if len(node.inputs) > len(p.inputs) and not p.extra_inputs:
-        return
+        return None
     for name, test in p.attributes:
         attribute = node.attributes.get(name)
         got = None if attribute is None else attribute.value
         if not (test(got) if callable(test) else got == test):
-            return
+            return None
     if p.check is not None and not p.check(node):
-        return
+        return None
     if p.bind is not None:
         if p.bind in m._names:
-            if m._names[p.bind] is node:
-                yield
-            return
+            return [] if m._names[p.bind] is node else None
         m._names[p.bind] = node
+        m._trail.append((1, p.bind))
     m.nodes.append(node)
+    m._trail.append((2, None))
     inputs = list(node.inputs[: len(p.inputs)])
     inputs += [None] * (len(p.inputs) - len(inputs))
-    if _plausible(p._heads, inputs):
-        yield from _inputs(p.inputs, inputs, 0, m)
-    if p.commute and _plausible(p._heads, inputs[::-1]):
-        yield from _inputs(p.inputs, inputs[::-1], 0, m)
-    m.nodes.pop()
-    if p.bind is not None:
-        del m._names[p.bind]
+    return inputs
 
 
-def _inputs(
-    patterns: tuple[Pattern, ...], values: list[ir.Value | None], i: int, m: Match
-) -> Iterator[None]:
-    n = len(patterns)
-    while i < n and patterns[i] is ANY:  # (skipped without a generator: the common case)
-        if values[i] is None:
-            return
-        i += 1
-    if i == n:
-        yield
-        return
-    for _ in _value(patterns[i], values[i], m):
-        yield from _inputs(patterns, values, i + 1, m)
+def _branch(
+    p: OpPattern,
+    inputs: list[ir.Value | None],
+    todo: _Todo,
+    m: Match,
+    where: Callable[[Match], bool] | None,
+) -> bool:
+    """Match ``p``'s inputs (both orders when it commutes), then ``todo``."""
+    if not inputs:  # the node was matched before under its bind name
+        return _solve(todo, m, where)
+    mark = len(m._trail)
+    for order in (inputs, inputs[::-1]) if p.commute else (inputs,):
+        if _plausible(p._heads, order):
+            if _solve(_push(p.inputs, order, todo), m, where):
+                return True
+            _undo(m, mark)
+    return False
+
+
+def _push(patterns: tuple[Pattern, ...], values: list[ir.Value | None], todo: _Todo) -> _Todo:
+    """``todo`` with the pairs in front, the first to be matched first (depth first)."""
+    for i in range(len(patterns) - 1, -1, -1):
+        todo = (patterns[i], values[i], todo)
+    return todo
+
+
+def _undo(m: Match, mark: int) -> None:
+    trail = m._trail
+    while len(trail) > mark:
+        kind, name = trail.pop()
+        if kind == 0:
+            del m._values[name]
+        elif kind == 1:
+            del m._names[name]
+        else:
+            m.nodes.pop()

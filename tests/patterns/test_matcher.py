@@ -85,6 +85,18 @@ def test_or_falls_back_to_later_alternatives_and_where_backtracks():
     assert match(pattern, add, where=lambda m: False) is None
 
 
+def test_a_failed_choice_leaves_no_binding_behind():
+    """The first alternative binds ``a`` and then fails on the sibling; the second must see
+    ``a`` unbound (and the match must not report the first alternative's nodes)."""
+    x, y = _value("x"), _value("y")
+    neg = _n("Neg", x)
+    add = _n("Add", neg.outputs[0], y)
+    pattern = op.Add(Or(op.Neg(Var("a"), bind="first"), op.Neg(Var("b"), bind="second")), Var("a"))
+    found = match(pattern, add)
+    assert found is not None and found["a"] is y and found["b"] is x
+    assert "first" not in found and found.node("second") is neg and found.nodes == [add, neg]
+
+
 def test_attribute_predicates_literal_in_and_callable():
     x = _value("x")
     concat = _n("Concat", x, x, axis=-1)
