@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from ._graph import Builder, attr, dim, input_at, producer, shape_vector
+from ._graph import Builder, Dim, attr, dim, input_at, producer, shape_vector
 
 _BNSH = [0, 2, 1, 3]
 
@@ -153,9 +153,15 @@ def identity_reshape(y: ir.Value) -> ir.Value | None:
     return reshape.outputs[0]
 
 
-def bsd_consumer(y: ir.Value, width: int) -> ir.Value | None:
+def bsd_consumer(
+    y: ir.Value, width: int, batch_seq: tuple[Dim, Dim] | None = None
+) -> ir.Value | None:
     """The (B, S, N*H) value when y (B, N, S, H) is only read through Transpose + Reshape
-    (after, optionally, a Reshape proven to be the identity)."""
+    (after, optionally, a Reshape proven to be the identity).
+
+    ``batch_seq``: terms for y's batch and sequence known from elsewhere (an ``Attention``'s
+    output has its query's): TorchScript exports leave the attention output's dims anonymous
+    (``unk__N``), while the Reshape target names the declared ``batch`` and ``seq``."""
     if (same := identity_reshape(y)) is not None:
         y = same
     uses = list(y.uses())
@@ -176,7 +182,9 @@ def bsd_consumer(y: ir.Value, width: int) -> ir.Value | None:
     allowzero = attr(reshape, "allowzero", 0)
     bsnh = transpose.outputs[0]
     for axis in (0, 1):  # batch and sequence must stay where they are (not swapped)
-        if not _keeps_axis(target[axis], dim(bsnh, axis), allowzero):
+        if _keeps_axis(target[axis], dim(bsnh, axis), allowzero):
+            continue
+        if batch_seq is None or not _keeps_axis(target[axis], batch_seq[axis], allowzero):
             return None
     return reshape.outputs[0]
 

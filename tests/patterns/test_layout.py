@@ -180,3 +180,29 @@ def test_bsd_consumer_rejects_swapped_batch_and_sequence(swap):
     graph.outputs[0] = out
     graph.remove(anchor, safe=True)
     assert bsd_consumer(y, N * H) is (None if swap else out)
+
+
+@pytest.mark.parametrize("known", ["query", "swapped", None])
+def test_anonymous_attention_dims_are_read_from_the_query(known):
+    """TorchScript leaves the attention output's batch and sequence anonymous (unk__N) while
+    the exporter's Reshape target names the declared ones: the query's (batch, seq), which
+    an Attention's output has, prove that the Reshape keeps them; swapped terms do not."""
+    _, y, _, _ = _graph(["batch", N, "seq", H], then_bsd=False)
+    graph = y.graph
+    anchor = ir.node("Identity", [y])
+    graph.append(anchor)
+    b = Builder(graph, anchor, "u")
+    ids = graph.inputs[1]
+    batch = b.op("Shape", [ids], {"start": 0, "end": 1})
+    seq = b.op("Shape", [ids], {"start": 1, "end": 2})
+    t = b.op("Transpose", [graph.outputs[0]], {"perm": [0, 2, 1, 3]})
+    t.shape = ir.Shape(["unk__1", "unk__2", N, H])
+    width = b.const("w", np.array([N * H], dtype=np.int64))
+    out = b.op("Reshape", [t, b.op("Concat", [batch, seq, width], {"axis": 0})])
+    graph.outputs[0] = out
+    graph.remove(anchor, safe=True)
+    terms = {
+        "query": (("sym", "batch"), ("sym", "seq")),
+        "swapped": (("sym", "seq"), ("sym", "batch")),
+    }
+    assert bsd_consumer(y, N * H, terms.get(known)) is (out if known == "query" else None)

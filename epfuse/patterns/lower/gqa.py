@@ -37,8 +37,10 @@ from epfuse.capabilities.emissions import Capability
 
 from .._graph import (
     Builder,
+    Dim,
     attr,
     const_array,
+    dim,
     ensure_opset,
     input_at,
     producer,
@@ -236,7 +238,9 @@ class AttentionToGQA(
         after = Builder(ctx.graph, None, f"{builder.prefix}/out")  # placed after gqa (substitute)
         if rank == 3:
             replaced = [(y, out)]
-        elif (reshaped := bsd_consumer(y, num_heads * head_size)) is not None:
+        elif (
+            reshaped := bsd_consumer(y, num_heads * head_size, _query_batch_seq(q, sink))
+        ) is not None:
             replaced = [(reshaped, out)]  # the exporter's (B, S, N*H) view is GQA's output
             value = reshaped
             while value is not y:  # Reshape <- Transpose [<- identity Reshape] <- y
@@ -387,6 +391,12 @@ def _arithmetic_rope_reason(q: ir.Value) -> str | None:
 class _RopePlan:
     def __init__(self, fused: bool, q: _Rope | None, k: _Rope | None, reason: str | None):
         self.fused, self.q, self.k, self.reason = fused, q, k, reason
+
+
+def _query_batch_seq(q: ir.Value, sink: SinkPlan | None) -> tuple[Dim, Dim] | None:
+    """The batch and sequence terms of the Attention's output, which are its (B, N, S, H)
+    query's (ONNX Attention); not claimed through a sink correction."""
+    return None if sink is not None else (dim(q, 0), dim(q, 2))
 
 
 def _sequence_inputs(ctx: RewriteContext, builder: Builder, mask: MaskProof):

@@ -5,6 +5,7 @@ a real past, chunked prefill, right-padded batch) on logits and present K/V.
 """
 
 import onnx
+import onnx_ir as ir
 import pytest
 from model_builder import DecoderConfig, build_decoder
 
@@ -185,3 +186,34 @@ def test_bf16_for_cuda_fuses(style):
         i for i in optimized.graph.initializer if i.name == _gqa_nodes(optimized)[0].input[7]
     )
     assert cos.data_type == onnx.TensorProto.BFLOAT16
+
+
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_torchscript_output_view_becomes_the_gqa_output(qk_norm):
+    """opset-18 TorchScript exports view the attention output as (B, S, N*H) with a Reshape
+    whose target names the declared batch and seq, while inference leaves the output's dims
+    anonymous: the query's batch and seq prove the view, so GQA's output replaces it (no
+    Transpose/Reshape back to (B, N, S, H) and forward again), and the model stays equal."""
+    original = build_decoder(DecoderConfig(style="torch18", qk_norm=qk_norm))
+    optimized = epfuse.optimize(original, "cpu")
+    ops = [n.op_type for n in optimized.graph.node]
+    assert ops.count("GroupQueryAttention") == 2 and "Transpose" not in ops
+    assert_equivalent(original, optimized)
+
+
+def test_an_output_read_otherwise_goes_back_to_bnsh_and_stays_equal():
+    """The output-layout fallback: an attention output not read through the exporter's
+    (B, S, N*H) view (here an Identity in front of it) gets GQA's output reshaped and
+    transposed back to (B, N, S, H)."""
+    model = ir.from_proto(build_decoder(DecoderConfig(style="torch18")))
+    for node in list(model.graph):
+        if node.op_type == "Transpose" and node.inputs[0].name in ("sdpa", "sdpa_1"):
+            copy = ir.node("Identity", [node.inputs[0]], name=f"{node.name}/copy")
+            copy.outputs[0].name = f"{node.name}/copy_out"
+            model.graph.insert_before(node, copy)
+            node.replace_input_with(0, copy.outputs[0])
+    original = ir.to_proto(model)
+    optimized, report = epfuse.optimize_with_report(original, "cpu")
+    assert report.fused_layers == 2
+    assert any(n.name.endswith("/out/Transpose_1") for n in optimized.graph.node)
+    assert_equivalent(original, optimized)
