@@ -7,7 +7,27 @@ rejects an attribute at load time) is worse than a slower graph that is kept.
 
 from __future__ import annotations
 
+import dataclasses
+
 from .records import EPCapabilities, GQASupport, OpSupport
+
+# Records are built up from smaller ones (dataclasses.replace adding what an EP has on top),
+# never by switching off what another EP has: a field added to OpSupport or GQASupport stays
+# off for every EP until its record turns it on.
+_PORTABLE = OpSupport(
+    attention=True,
+    attention_softcap=True,
+    rotary_embedding=True,
+    rms_normalization=True,
+)
+"""Standard ONNX (opset 23) attention, rotary and RMSNorm: the ``default`` target's ops, which
+CPU and CUDA run too."""
+_MS_ROTARY_AND_NORMS = dict(
+    ms_rotary_embedding=True,
+    simplified_layer_norm=True,
+    skip_simplified_layer_norm=True,
+    skip_layer_norm=True,
+)
 
 _CPU_GQA = GQASupport(
     qk_norm=False,
@@ -18,17 +38,11 @@ _CPU_GQA = GQASupport(
     rotary_cache_width_multiple=8,
     chunked_prefill_needs_batch1=True,
 )
-_CPU = OpSupport(
+_CPU = dataclasses.replace(
+    _PORTABLE,
+    **_MS_ROTARY_AND_NORMS,
     gqa=_CPU_GQA,
-    attention=True,
-    attention_softcap=True,
-    rotary_embedding=True,
-    ms_rotary_embedding=True,
     mrotary_embedding=True,
-    rms_normalization=True,
-    simplified_layer_norm=True,
-    skip_simplified_layer_norm=True,
-    skip_layer_norm=True,
     matmul_nbits=True,
     gather_block_quantized=True,
     moe=True,
@@ -42,58 +56,30 @@ CPU = EPCapabilities(
     notes=("no bfloat16 kernels for GQA, Attention or RMSNormalization",),
 )
 
-_CUDA_GQA = GQASupport(qk_norm=True)
-_CUDA_HALF = OpSupport(
-    gqa=_CUDA_GQA,
-    matmul_nbits=True,
-    attention=True,
-    attention_softcap=True,
-    rotary_embedding=True,
-    ms_rotary_embedding=True,
-    rms_normalization=True,
-    simplified_layer_norm=True,
-    skip_simplified_layer_norm=True,
-    skip_layer_norm=True,
-)
+_CUDA_FLOAT = dataclasses.replace(_PORTABLE, **_MS_ROTARY_AND_NORMS)
+_CUDA_HALF = dataclasses.replace(_CUDA_FLOAT, gqa=GQASupport(qk_norm=True), matmul_nbits=True)
 CUDA = EPCapabilities(
     name="cuda",
     provider="CUDAExecutionProvider",
     description="NVIDIA CUDA",
-    dtypes={
-        "float32": OpSupport(
-            attention=True,
-            attention_softcap=True,
-            rotary_embedding=True,
-            ms_rotary_embedding=True,
-            rms_normalization=True,
-            simplified_layer_norm=True,
-            skip_simplified_layer_norm=True,
-            skip_layer_norm=True,
-        ),
-        "float16": _CUDA_HALF,
-        "bfloat16": _CUDA_HALF,
-    },
+    dtypes={"float32": _CUDA_FLOAT, "float16": _CUDA_HALF, "bfloat16": _CUDA_HALF},
     notes=("GroupQueryAttention runs fp16/bf16 only",),
     preferred_dtype="float16",
     preferred_because="its GroupQueryAttention runs fp16/bf16 only",
 )
 
-_DML_GQA = GQASupport(
-    fused_rotary=False,
-    interleaved_rotary=False,
-    packed_qkv=False,
-    softcap=False,
-    local_window=False,
-    attention_bias=False,
-)
-_DML = OpSupport(
-    gqa=_DML_GQA,
+_LIMITED_GQA = GQASupport(softcap=False, local_window=False, attention_bias=False)
+"""What the GQA of DML, WebGPU, QNN and TRT-RTX all lack (each lacks more besides)."""
+_QNN_GQA = dataclasses.replace(_LIMITED_GQA, interleaved_rotary=False, packed_qkv=False)
+_DML_GQA = dataclasses.replace(_QNN_GQA, fused_rotary=False)
+_WEBGPU = OpSupport(
+    gqa=dataclasses.replace(_LIMITED_GQA, rotary_position_ids=False, qk_norm=True),
     matmul_nbits=True,
     ms_rotary_embedding=True,
     simplified_layer_norm=True,
     skip_simplified_layer_norm=True,
-    skip_layer_norm=True,
 )
+_DML = dataclasses.replace(_WEBGPU, gqa=_DML_GQA, skip_layer_norm=True)
 DML = EPCapabilities(
     name="dml",
     provider="DmlExecutionProvider",
@@ -108,20 +94,6 @@ DML = EPCapabilities(
     "builder's DML models are fp16)",
 )
 
-_WEBGPU_GQA = GQASupport(
-    rotary_position_ids=False,
-    softcap=False,
-    local_window=False,
-    attention_bias=False,
-    qk_norm=True,
-)
-_WEBGPU = OpSupport(
-    gqa=_WEBGPU_GQA,
-    matmul_nbits=True,
-    ms_rotary_embedding=True,
-    simplified_layer_norm=True,
-    skip_simplified_layer_norm=True,
-)
 WEBGPU = EPCapabilities(
     name="webgpu",
     provider="WebGpuExecutionProvider",
@@ -132,13 +104,6 @@ WEBGPU = EPCapabilities(
     preferred_because="GPU kernels run best in fp16 (half the memory traffic)",
 )
 
-_QNN_GQA = GQASupport(
-    interleaved_rotary=False,
-    packed_qkv=False,
-    softcap=False,
-    local_window=False,
-    attention_bias=False,
-)
 QNN = EPCapabilities(
     name="qnn",
     provider="QNNExecutionProvider",
@@ -147,14 +112,11 @@ QNN = EPCapabilities(
     notes=("GQA rejects softcap, local window, interleaved rotary and attention_bias",),
 )
 
-_TRT_GQA = GQASupport(
-    packed_qkv=False,
-    softcap=False,
-    local_window=False,
-    attention_bias=False,
-    requires_rotary_caches=True,
+_TRT = OpSupport(
+    gqa=dataclasses.replace(_LIMITED_GQA, packed_qkv=False, requires_rotary_caches=True),
+    attention=True,
+    attention_softcap=False,
 )
-_TRT = OpSupport(gqa=_TRT_GQA, attention=True, attention_softcap=False)
 TRT_RTX = EPCapabilities(
     name="trt-rtx",
     provider="NvTensorRTRTXExecutionProvider",
@@ -181,12 +143,6 @@ COREML = EPCapabilities(
     notes=("no GroupQueryAttention",),
 )
 
-_PORTABLE = OpSupport(
-    attention=True,
-    attention_softcap=True,
-    rotary_embedding=True,
-    rms_normalization=True,
-)
 DEFAULT = EPCapabilities(
     name="default",
     provider=None,

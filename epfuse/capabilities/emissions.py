@@ -141,6 +141,19 @@ class Emission:
     attributes: tuple[str, ...] = ()
 
 
+def _skip_norm(op_type: str) -> tuple[Emission, ...]:
+    """A com.microsoft skip norm, simplified (RMS) or not: both are emitted alike, with the
+    residual sum (output 3) that the next layer's norm reads."""
+    return (
+        Emission(
+            "com.microsoft",
+            op_type,
+            outputs=((3, "input_skip_bias_sum"),),
+            attributes=("epsilon",),
+        ),
+    )
+
+
 _GQA = ("com.microsoft", "GroupQueryAttention")
 EMISSIONS: dict[Capability, tuple[Emission, ...]] = {
     Capability.GQA: (
@@ -236,22 +249,8 @@ EMISSIONS: dict[Capability, tuple[Emission, ...]] = {
     Capability.SIMPLIFIED_LAYER_NORM: (
         Emission("", "SimplifiedLayerNormalization", attributes=("axis", "epsilon", "stash_type")),
     ),
-    Capability.SKIP_SIMPLIFIED_LAYER_NORM: (
-        Emission(
-            "com.microsoft",
-            "SkipSimplifiedLayerNormalization",
-            outputs=((3, "input_skip_bias_sum"),),
-            attributes=("epsilon",),
-        ),
-    ),
-    Capability.SKIP_LAYER_NORM: (
-        Emission(
-            "com.microsoft",
-            "SkipLayerNormalization",
-            outputs=((3, "input_skip_bias_sum"),),
-            attributes=("epsilon",),
-        ),
-    ),
+    Capability.SKIP_SIMPLIFIED_LAYER_NORM: _skip_norm("SkipSimplifiedLayerNormalization"),
+    Capability.SKIP_LAYER_NORM: _skip_norm("SkipLayerNormalization"),
     Capability.MATMUL_NBITS: (
         Emission(
             "com.microsoft",

@@ -459,8 +459,10 @@ def _export(
     input_names = ["input_ids", "attention_mask", "position_ids"]
     input_names += [slot.past_name for slot in slots]
     output_names = ["logits", *(slot.present_name for slot in slots)]
+    # The dynamo exporter returns a program to save and takes Dims; the TorchScript one
+    # writes the file itself and takes named axes per input and output.
+    dynamic: dict[str, Any] = {"dynamic_shapes": dynamic_shapes, "verbose": False}
     if not dynamo:
-        # The TorchScript exporter takes named axes per input and output instead of Dims.
         axes = {
             name: {axis: dim.__name__ for axis, dim in dims.items()}
             for name, dims in zip(input_names[:3], dynamic_shapes[:3], strict=True)
@@ -470,30 +472,19 @@ def _export(
             axes[slot.past_name] = {0: "batch", 2: "past"} if kv else {0: "batch"}
             axes[slot.present_name] = {0: "batch", 2: "total"} if kv else {0: "batch"}
         axes["logits"] = {0: "batch", 1: "seq"}
-        with _quiet(), torch.no_grad():
-            torch.onnx.export(
-                wrapper,
-                (input_ids, attention_mask, position_ids, *past),
-                str(path),
-                input_names=input_names,
-                output_names=output_names,
-                dynamic_axes=axes,
-                opset_version=opset,
-                dynamo=False,
-            )
-        return path
+        dynamic = {"f": str(path), "dynamic_axes": axes}
     with _quiet(), torch.no_grad():
         program = torch.onnx.export(
             wrapper,
             (input_ids, attention_mask, position_ids, *past),
             input_names=input_names,
             output_names=output_names,
-            dynamic_shapes=dynamic_shapes,
             opset_version=opset,
-            dynamo=True,
-            verbose=False,
+            dynamo=dynamo,
+            **dynamic,
         )
-        program.save(str(path), external_data=False)
+        if dynamo:
+            program.save(str(path), external_data=False)
     return path
 
 

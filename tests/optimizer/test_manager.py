@@ -33,12 +33,18 @@ def _relu_chain() -> ir.Model:
     return ir.Model(graph, ir_version=10)
 
 
-class _FlipFlop(Rule):
+class _OnRelu(Rule):
+    """The test rules' common part: each is offered the one Relu of :func:`_relu_chain`
+    (in canonicalize unless it says otherwise)."""
+
+    anchor = ("", "Relu")
+    stage = Stage.CANONICALIZE
+
+
+class _FlipFlop(_OnRelu):
     """Relu <-> Relu forever: a rule that always claims a rewrite never reaches a fixed point."""
 
     name = "test-flip-flop"
-    anchor = ("", "Relu")
-    stage = Stage.CANONICALIZE
     description = "renames the Relu each time (never converges)"
 
     def apply(self, node, ctx):
@@ -91,10 +97,9 @@ def test_chunked_prefill_assumption_comes_from_the_record():
 # ------------------------------------------------------------------ stages as onnx-ir passes
 
 
-class _Recorder(Rule):
+class _Recorder(_OnRelu):
     """Records the stage it ran in (once per sweep over the one Relu) and changes nothing."""
 
-    anchor = ("", "Relu")
     description = "records when it is offered a node"
 
     def __init__(self, stage: Stage, log: list[str]):
@@ -105,12 +110,10 @@ class _Recorder(Rule):
         return None
 
 
-class _RenameOnce(Rule):
+class _RenameOnce(_OnRelu):
     """One rewrite, then a fixed point: the stage reports that it changed the graph."""
 
     name = "test-rename-once"
-    anchor = ("", "Relu")
-    stage = Stage.CANONICALIZE
     description = "renames the Relu once"
 
     def apply(self, node, ctx):
@@ -120,9 +123,8 @@ class _RenameOnce(Rule):
         return Rewritten("renamed")
 
 
-class _Raises(Rule):
+class _Raises(_OnRelu):
     name = "test-raises"
-    anchor = ("", "Relu")
     stage = Stage.LOWER
     description = "fails while rewriting"
 

@@ -58,6 +58,19 @@ def _assert_close(actual, expected, what):
     np.testing.assert_allclose(actual, expected, atol=ATOL, rtol=RTOL, err_msg=what)
 
 
+def _prompt_inputs(rng: np.random.Generator, batch: int, prompt: int):
+    """(ids, mask, positions) of an unpadded first prompt of ``prompt`` tokens."""
+    ids = rng.integers(0, VOCAB, (batch, prompt), dtype=np.int64)
+    mask = np.ones((batch, prompt), np.int64)
+    return ids, mask, np.tile(np.arange(prompt, dtype=np.int64), (batch, 1))
+
+
+def _decode_inputs(rng: np.random.Generator, batch: int, past: int):
+    """(ids, mask, positions) of one new token on a past of ``past`` tokens."""
+    ids = rng.integers(0, VOCAB, (batch, 1), dtype=np.int64)
+    return ids, np.ones((batch, past + 1), np.int64), np.full((batch, 1), past, np.int64)
+
+
 def test_graph_interface(exported):
     model = onnx.load(exported)
     assert not any(t.data_location == onnx.TensorProto.EXTERNAL for t in model.graph.initializer), (
@@ -77,32 +90,31 @@ def test_graph_interface(exported):
     assert [d.dim_param or d.dim_value for d in past] == ["batch", KV_HEADS, "past", HEAD_DIM]
 
 
-def test_prompt_and_decode_match_torch(session):
-    config = tiny_llama_config()
-    rng = np.random.default_rng(0)
-    batch, prompt = 2, 7
-    ids = rng.integers(0, VOCAB, (batch, prompt), dtype=np.int64)
-    mask = np.ones((batch, prompt), np.int64)
-    pos = np.tile(np.arange(prompt, dtype=np.int64), (batch, 1))
-
+def _assert_prompt_then_decode_match(session, config, seed: int, rng, batch: int, prompt: int):
+    """A first prompt of ``prompt`` tokens, then one token decoded on the export's own cache:
+    logits and presents of both against Hugging Face's model of ``config`` with weights from
+    ``seed``. Returns the prompt's (ids, mask, positions) and the export's prompt logits."""
+    ids, mask, pos = _prompt_inputs(rng, batch, prompt)
     logits, presents = _run(session, ids, mask, pos, _empty_past(batch))
-    ref_logits, ref_presents = hf_reference(config, 0, ids, mask, pos, None)
+    ref_logits, ref_presents = hf_reference(config, seed, ids, mask, pos, None)
     _assert_close(logits, ref_logits, "prompt logits")
     for i, (got, ref) in enumerate(zip(presents, ref_presents, strict=True)):
         _assert_close(got, ref, f"prompt present {i}")
-    # Attention must be non-trivial for this check to mean anything.
-    assert np.abs(logits).max() > 1.0
-
-    # Decode one token on the exported model's own cache.
-    new_ids = rng.integers(0, VOCAB, (batch, 1), dtype=np.int64)
-    new_mask = np.ones((batch, prompt + 1), np.int64)
-    new_pos = np.full((batch, 1), prompt, np.int64)
-    logits, next_presents = _run(session, new_ids, new_mask, new_pos, presents)
-    ref_logits, ref_next = hf_reference(config, 0, new_ids, new_mask, new_pos, presents)
-    _assert_close(logits, ref_logits, "decode logits")
+    new_ids, new_mask, new_pos = _decode_inputs(rng, batch, prompt)
+    new_logits, next_presents = _run(session, new_ids, new_mask, new_pos, presents)
+    ref_logits, ref_next = hf_reference(config, seed, new_ids, new_mask, new_pos, presents)
+    _assert_close(new_logits, ref_logits, "decode logits")
     for i, (got, ref) in enumerate(zip(next_presents, ref_next, strict=True)):
         assert got.shape == (batch, KV_HEADS, prompt + 1, HEAD_DIM)
         _assert_close(got, ref, f"decode present {i}")
+    return (ids, mask, pos), logits
+
+
+def test_prompt_and_decode_match_torch(session):
+    rng = np.random.default_rng(0)
+    _, logits = _assert_prompt_then_decode_match(session, tiny_llama_config(), 0, rng, 2, 7)
+    # Attention must be non-trivial for this check to mean anything.
+    assert np.abs(logits).max() > 1.0
 
 
 def test_right_padded_prompt_matches_torch_on_valid_rows(session):
@@ -136,21 +148,8 @@ def test_sliding_window_export_matches_torch(tmp_path):
     path = export_hf_decoder(config, tmp_path / "mistral-sw4.onnx", seed=3)
     session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     rng = np.random.default_rng(2)
-    batch, prompt = 2, 10
-    ids = rng.integers(0, VOCAB, (batch, prompt), dtype=np.int64)
-    mask = np.ones((batch, prompt), np.int64)
-    pos = np.tile(np.arange(prompt, dtype=np.int64), (batch, 1))
-    logits, presents = _run(session, ids, mask, pos, _empty_past(batch))
-    ref_logits, _ = hf_reference(config, 3, ids, mask, pos, None)
-    _assert_close(logits, ref_logits, "sliding-window prompt logits")
+    prompt, logits = _assert_prompt_then_decode_match(session, config, 3, rng, 2, 10)
     # The window matters: the same weights without it give different logits.
     config_full = MistralConfig(**{**config.to_dict(), "sliding_window": None})
-    full_logits, _ = hf_reference(config_full, 3, ids, mask, pos, None)
-    assert np.abs(full_logits - ref_logits).max() > 1e-2
-
-    new_ids = rng.integers(0, VOCAB, (batch, 1), dtype=np.int64)
-    new_mask = np.ones((batch, prompt + 1), np.int64)
-    new_pos = np.full((batch, 1), prompt, np.int64)
-    logits, _ = _run(session, new_ids, new_mask, new_pos, presents)
-    ref_logits, _ = hf_reference(config, 3, new_ids, new_mask, new_pos, presents)
-    _assert_close(logits, ref_logits, "sliding-window decode logits")
+    full_logits, _ = hf_reference(config_full, 3, *prompt, None)
+    assert np.abs(full_logits - logits).max() > 1e-2

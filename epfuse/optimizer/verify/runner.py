@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, TypedDict, Unpack
 
 import numpy as np
 import onnx
@@ -156,20 +156,20 @@ def _compare_step(
     tol: Tolerance,
 ) -> ScenarioResult:
     result = ScenarioResult(scenario)
-    try:
-        ref_logits, ref_presents = original.run(
-            case.input_ids, case.attention_mask, case.position_ids, past
-        )
-    except Exception as exc:
-        result.error = f"original model failed: {type(exc).__name__}: {_first_line(exc)}"
-        return result
-    try:
-        opt_logits, opt_presents = optimized.run(
-            case.input_ids, case.attention_mask, case.position_ids, past
-        )
-    except Exception as exc:
-        result.error = f"{OPTIMIZED_FAILED} {scenario}: {_first_line(exc)}"
-        return result
+    outputs = []
+    for which, runner in enumerate((original, optimized)):
+        try:
+            outputs.append(runner.run(case.input_ids, case.attention_mask, case.position_ids, past))
+        except Exception as exc:
+            # The original failing means the scenario is out of its contract (callers read
+            # the prefix); the optimized failing is a failed verification.
+            result.error = (
+                f"original model failed: {type(exc).__name__}: {_first_line(exc)}"
+                if which == 0
+                else f"{OPTIMIZED_FAILED} {scenario}: {_first_line(exc)}"
+            )
+            return result
+    (ref_logits, ref_presents), (opt_logits, opt_presents) = outputs
 
     def valid_rows(x: np.ndarray, axis: int, offset: int) -> np.ndarray:
         # Concatenate each row's valid slice along ``axis`` (padding rows hold garbage).
@@ -212,27 +212,45 @@ def _first_line(exc: BaseException) -> str:
     return text[0][:300] if text else ""
 
 
+class PairOptions(TypedDict, total=False):
+    """The keywords :func:`compare_models` passes on to :class:`Comparator` (defaults there):
+    how both models' sessions are made and their outputs compared."""
+
+    tolerance: Tolerance | None
+    providers: Sequence[str]
+    session_options: ort.SessionOptions | None
+    position_streams: PositionStreams | None
+
+
+class ScenarioPlan(TypedDict, total=False):
+    """The keywords :func:`compare_models` passes on to :meth:`Comparator.compare` (defaults
+    there): which scenarios run, at what lengths, and the token ids' seed."""
+
+    scenarios: Iterable[str | Scenario]
+    prompt_len: int | None
+    decode_past_len: int | None
+    chunk_past_len: int | None
+    chunk_len: int
+    padded_lens: tuple[int, ...] | None
+    padded_decode_lens: tuple[int, ...] | None
+    padded_decode_steps: int
+    seed: int
+
+
+class CompareOptions(PairOptions, ScenarioPlan, total=False):
+    """Every keyword of :func:`compare_models`."""
+
+
 def compare_models(
     original: ModelLike,
     optimized: ModelLike,
-    *,
-    scenarios: Iterable[str | Scenario] = SCENARIOS,
-    prompt_len: int | None = None,
-    decode_past_len: int | None = None,
-    chunk_past_len: int | None = None,
-    chunk_len: int = 3,
-    padded_lens: tuple[int, ...] | None = None,
-    padded_decode_lens: tuple[int, ...] | None = None,
-    padded_decode_steps: int = 2,
-    seed: int = 0,
-    tolerance: Tolerance | None = None,
-    providers: Sequence[str] = ("CPUExecutionProvider",),
-    session_options: ort.SessionOptions | None = None,
-    position_streams: PositionStreams | None = None,
+    **options: Unpack[CompareOptions],
 ) -> VerificationResult:
     """Run ``original`` and ``optimized`` over ``scenarios`` and compare logits and presents.
 
-    Models are paths, ``onnx.ModelProto`` or ``onnx_ir.Model``. ``scenarios`` holds names of
+    Models are paths, ``onnx.ModelProto`` or ``onnx_ir.Model``. ``options`` are the keywords of
+    :class:`Comparator` (:class:`PairOptions`) and of :meth:`Comparator.compare`
+    (:class:`ScenarioPlan`), with their defaults. ``scenarios`` holds names of
     the built-in scenarios (:data:`SCENARIOS`, sized by the length arguments) and/or explicit
     :class:`Scenario` objects (any batch and lengths). Sequence lengths can be raised (e.g.
     ``prompt_len`` / ``decode_past_len`` beyond a sliding window). ``padded_lens`` defaults to
@@ -245,25 +263,8 @@ def compare_models(
     window and length threshold, within the positions the models take. A scenario that needs
     more positions than that raises :class:`LengthError`.
     """
-    pair = Comparator(
-        original,
-        optimized,
-        tolerance=tolerance,
-        providers=providers,
-        session_options=session_options,
-        position_streams=position_streams,
-    )
-    return pair.compare(
-        scenarios=scenarios,
-        prompt_len=prompt_len,
-        decode_past_len=decode_past_len,
-        chunk_past_len=chunk_past_len,
-        chunk_len=chunk_len,
-        padded_lens=padded_lens,
-        padded_decode_lens=padded_decode_lens,
-        padded_decode_steps=padded_decode_steps,
-        seed=seed,
-    )
+    pair = {k: options.pop(k) for k in PairOptions.__optional_keys__ if k in options}
+    return Comparator(original, optimized, **pair).compare(**options)
 
 
 class Comparator:
@@ -295,7 +296,12 @@ class Comparator:
         with contextlib.suppress(Exception):  # reported as a model that does not load
             opt_model = _to_ir(optimized)
         self._original = ref_model
-        self._options = (tolerance, tuple(providers), session_options, position_streams)
+        self._options = PairOptions(
+            tolerance=tolerance,
+            providers=tuple(providers),
+            session_options=session_options,
+            position_streams=position_streams,
+        )
         self.limits = limits if limits is not None else read_limits(ref_model, opt_model)
         self.gqa = any(
             n.op_type == "GroupQueryAttention"
@@ -346,21 +352,14 @@ class Comparator:
         """The same original (session, roles, lengths) compared with ``optimized``: a
         candidate of the same pipeline (its windows, thresholds and tables are those of the
         original and of the model this comparator was built with)."""
-        tolerance, providers, session_options, position_streams = self._options
         return Comparator(
-            self._original,
-            optimized,
-            tolerance=tolerance,
-            providers=providers,
-            session_options=session_options,
-            position_streams=position_streams,
-            limits=self.limits,
-            reference=self.ref,
+            self._original, optimized, **self._options, limits=self.limits, reference=self.ref
         )
 
     def compare(
         self,
         *,
+        # The keywords of ScenarioPlan, with their defaults: compare_models passes them on.
         scenarios: Iterable[str | Scenario] = SCENARIOS,
         prompt_len: int | None = None,
         decode_past_len: int | None = None,
@@ -431,7 +430,7 @@ class Comparator:
         results = []
         for scenario in plan:
             rng = np.random.default_rng([seed, _scenario_seed(scenario.name)])
-            results.append(_run_scenario(scenario, rng, ref, opt, tol, self.vocab, self.has_cache))
+            results.append(self._run_scenario(scenario, rng))
         return VerificationResult(
             dtype=ref.io.dtype,
             tolerance=tol,
@@ -439,6 +438,124 @@ class Comparator:
             roles=(ref.io.describe(), opt.io.describe()),
             limits=self.limits.describe(),
         )
+
+    def _run_scenario(self, scenario: Scenario, rng: np.random.Generator) -> ScenarioResult:
+        ref, opt, tol, vocab = self.ref, self.opt, self.tolerance, self.vocab
+        assert opt is not None  # run() reports a load error without running scenarios
+        name = scenario.name
+        if scenario.kind == "prompt":
+            case = _prompt_case(rng, scenario.batch, scenario.lens, vocab)
+            return _compare_step(name, case, ref, opt, None, tol)
+        if not self.has_cache:
+            return ScenarioResult(name, skipped="model has no KV cache")
+        if scenario.kind == "padded_decode":
+            return self._padded_decode(scenario, rng)
+        batch, past_len, new = scenario.batch, scenario.past_len, scenario.new_len
+        past = None
+        if past_len:
+            first = _prompt_case(rng, batch, (past_len,) * batch, vocab)
+            try:
+                _, past = ref.run(first.input_ids, first.attention_mask, first.position_ids, None)
+            except Exception as exc:
+                return ScenarioResult(
+                    name,
+                    error=f"original model failed on the {past_len}-token prompt: "
+                    f"{type(exc).__name__}: {_first_line(exc)}",
+                )
+        case = _continue_case(rng, batch, past_len, new, vocab)
+        return _compare_step(name, case, ref, opt, past, tol)
+
+    def _padded_decode(self, scenario: Scenario, rng: np.random.Generator) -> ScenarioResult:
+        """See :class:`Scenario`: padded prompt, then decode steps on each model's own cache."""
+        ref, opt, tol, vocab = self.ref, self.opt, self.tolerance, self.vocab
+        assert opt is not None
+        name, lens, batch = scenario.name, scenario.lens, scenario.batch
+        prompt = _prompt_case(rng, batch, lens, vocab)
+        tokens = _tokens(rng, (batch, scenario.steps), vocab)
+        result = ScenarioResult(name)
+
+        def steps(runner: _Runner, rows: Sequence[int] | None) -> list[tuple[np.ndarray, list]]:
+            """Prompt + decode steps for ``rows`` (None: the padded batch; else unpadded rows)."""
+            if rows is None:
+                ids, mask, pos = prompt.input_ids, prompt.attention_mask, prompt.position_ids
+            else:
+                (b,) = rows
+                n = lens[b]
+                ids, mask = prompt.input_ids[b : b + 1, :n], np.ones((1, n), np.int64)
+                pos = prompt.position_ids[b : b + 1, :n]
+            outs = [runner.run(ids, mask, pos, None)]
+            for t in range(scenario.steps):
+                past = outs[-1][1]
+                if rows is None:
+                    mask = np.concatenate([mask, np.ones((batch, 1), np.int64)], axis=1)
+                    pos = np.array([[n + t] for n in lens], dtype=np.int64)
+                    ids = tokens[:, t : t + 1]
+                else:
+                    mask = np.ones((1, lens[b] + t + 1), np.int64)
+                    pos = np.array([[lens[b] + t]], dtype=np.int64)
+                    ids = tokens[b : b + 1, t : t + 1]
+                outs.append(runner.run(ids, mask, pos, past))
+            return outs
+
+        try:
+            ref_out = steps(ref, None)
+            alone = [steps(ref, [b]) for b in range(batch)]
+        except Exception as exc:
+            result.error = f"original model failed: {type(exc).__name__}: {_first_line(exc)}"
+            return result
+        # In contract only if the original computes each padded row as that row alone would.
+        for b in range(batch):
+            for t in range(1, scenario.steps + 1):
+                check = _compare(name, "logits", "logits", alone[b][t][0][0], ref_out[t][0][b], tol)
+                if not check.passed:
+                    why = (
+                        "the padding steps enter its conv/recurrent state"
+                        if ref.io.states
+                        else "the batch changes its result (e.g. a sliding window over cache "
+                        "slots, padding holes included, or LongRoPE's switch on the batch's largest "
+                        "position)"
+                    )
+                    result.skipped = (
+                        f"the original's row {b} after its padded prompt differs from the row run "
+                        f"alone (max err {check.max_abs_err:.3g}): {why}"
+                    )
+                    return result
+        try:
+            opt_out = steps(opt, None)
+        except Exception as exc:
+            result.error = f"{OPTIMIZED_FAILED} {name}: {_first_line(exc)}"
+            return result
+        logits = ref.io.logits
+        for t in range(1, scenario.steps + 1):
+            ref_logits, opt_logits = ref_out[t][0], opt_out[t][0]
+            comparison = _compare(name, logits, "logits", ref_logits, opt_logits, tol)
+            comparison.note = f"step {t}"
+            result.comparisons.append(comparison)
+        # The prompt's rows of the final cache: the new tokens sit at different slots (see above).
+        ref_presents, opt_presents = ref_out[-1][1], opt_out[-1][1]
+        if len(ref_presents) != len(opt_presents):
+            result.error = "optimized model has a different number of present outputs"
+            return result
+        names = present_names(ref.io)
+        states = {s.present for s in ref.io.states}
+        for present, r, o in zip(names, ref_presents, opt_presents, strict=True):
+            if present in states:
+                comparison = _compare(name, present, "state", r, o, tol)
+            elif r.shape != o.shape:
+                comparison = _compare(name, present, "kv", r, o, tol)
+            else:
+                comparison = _compare(
+                    name,
+                    present,
+                    "kv",
+                    np.concatenate([r[b, :, : lens[b]].reshape(-1) for b in range(batch)]),
+                    np.concatenate([o[b, :, : lens[b]].reshape(-1) for b in range(batch)]),
+                    tol,
+                    shape=tuple(r.shape),
+                )
+            comparison.note = "prompt rows"
+            result.comparisons.append(comparison)
+        return result
 
 
 def scenario_positions(scenario: Scenario) -> int:
@@ -450,142 +567,11 @@ def scenario_positions(scenario: Scenario) -> int:
     return scenario.past_len + scenario.new_len
 
 
-def _run_scenario(
-    scenario: Scenario,
-    rng: np.random.Generator,
-    ref: _Runner,
-    opt: _Runner,
-    tol: Tolerance,
-    vocab: int,
-    has_cache: bool,
-) -> ScenarioResult:
-    name = scenario.name
-    if scenario.kind == "prompt":
-        case = _prompt_case(rng, scenario.batch, scenario.lens, vocab)
-        return _compare_step(name, case, ref, opt, None, tol)
-    if not has_cache:
-        return ScenarioResult(name, skipped="model has no KV cache")
-    if scenario.kind == "padded_decode":
-        return _padded_decode(scenario, rng, ref, opt, tol, vocab)
-    batch, past_len, new = scenario.batch, scenario.past_len, scenario.new_len
-    past = None
-    if past_len:
-        first = _prompt_case(rng, batch, (past_len,) * batch, vocab)
-        try:
-            _, past = ref.run(first.input_ids, first.attention_mask, first.position_ids, None)
-        except Exception as exc:
-            return ScenarioResult(
-                name,
-                error=f"original model failed on the {past_len}-token prompt: "
-                f"{type(exc).__name__}: {_first_line(exc)}",
-            )
-    case = _continue_case(rng, batch, past_len, new, vocab)
-    return _compare_step(name, case, ref, opt, past, tol)
-
-
-def _padded_decode(
-    scenario: Scenario,
-    rng: np.random.Generator,
-    ref: _Runner,
-    opt: _Runner,
-    tol: Tolerance,
-    vocab: int,
-) -> ScenarioResult:
-    """See :class:`Scenario`: padded prompt, then decode steps on each model's own cache."""
-    name, lens, batch = scenario.name, scenario.lens, scenario.batch
-    prompt = _prompt_case(rng, batch, lens, vocab)
-    tokens = _tokens(rng, (batch, scenario.steps), vocab)
-    result = ScenarioResult(name)
-
-    def steps(runner: _Runner, rows: Sequence[int] | None) -> list[tuple[np.ndarray, list]]:
-        """Prompt + decode steps for ``rows`` (None: the padded batch; else unpadded rows)."""
-        if rows is None:
-            ids, mask, pos = prompt.input_ids, prompt.attention_mask, prompt.position_ids
-        else:
-            (b,) = rows
-            n = lens[b]
-            ids, mask = prompt.input_ids[b : b + 1, :n], np.ones((1, n), np.int64)
-            pos = prompt.position_ids[b : b + 1, :n]
-        outs = [runner.run(ids, mask, pos, None)]
-        for t in range(scenario.steps):
-            past = outs[-1][1]
-            if rows is None:
-                mask = np.concatenate([mask, np.ones((batch, 1), np.int64)], axis=1)
-                pos = np.array([[n + t] for n in lens], dtype=np.int64)
-                ids = tokens[:, t : t + 1]
-            else:
-                mask = np.ones((1, lens[b] + t + 1), np.int64)
-                pos = np.array([[lens[b] + t]], dtype=np.int64)
-                ids = tokens[b : b + 1, t : t + 1]
-            outs.append(runner.run(ids, mask, pos, past))
-        return outs
-
-    try:
-        ref_out = steps(ref, None)
-        alone = [steps(ref, [b]) for b in range(batch)]
-    except Exception as exc:
-        result.error = f"original model failed: {type(exc).__name__}: {_first_line(exc)}"
-        return result
-    # In contract only if the original computes each padded row as that row alone would.
-    for b in range(batch):
-        for t in range(1, scenario.steps + 1):
-            check = _compare(name, "logits", "logits", alone[b][t][0][0], ref_out[t][0][b], tol)
-            if not check.passed:
-                why = (
-                    "the padding steps enter its conv/recurrent state"
-                    if ref.io.states
-                    else "the batch changes its result (e.g. a sliding window over cache "
-                    "slots, padding holes included, or LongRoPE's switch on the batch's largest "
-                    "position)"
-                )
-                result.skipped = (
-                    f"the original's row {b} after its padded prompt differs from the row run "
-                    f"alone (max err {check.max_abs_err:.3g}): {why}"
-                )
-                return result
-    try:
-        opt_out = steps(opt, None)
-    except Exception as exc:
-        result.error = f"{OPTIMIZED_FAILED} {name}: {_first_line(exc)}"
-        return result
-    logits = ref.io.logits
-    for t in range(1, scenario.steps + 1):
-        ref_logits, opt_logits = ref_out[t][0], opt_out[t][0]
-        comparison = _compare(name, logits, "logits", ref_logits, opt_logits, tol)
-        comparison.note = f"step {t}"
-        result.comparisons.append(comparison)
-    # The prompt's rows of the final cache: the new tokens sit at different slots (see above).
-    ref_presents, opt_presents = ref_out[-1][1], opt_out[-1][1]
-    if len(ref_presents) != len(opt_presents):
-        result.error = "optimized model has a different number of present outputs"
-        return result
-    names = present_names(ref.io)
-    states = {s.present for s in ref.io.states}
-    for present, r, o in zip(names, ref_presents, opt_presents, strict=True):
-        if present in states:
-            comparison = _compare(name, present, "state", r, o, tol)
-        elif r.shape != o.shape:
-            comparison = _compare(name, present, "kv", r, o, tol)
-        else:
-            comparison = _compare(
-                name,
-                present,
-                "kv",
-                np.concatenate([r[b, :, : lens[b]].reshape(-1) for b in range(batch)]),
-                np.concatenate([o[b, :, : lens[b]].reshape(-1) for b in range(batch)]),
-                tol,
-                shape=tuple(r.shape),
-            )
-        comparison.note = "prompt rows"
-        result.comparisons.append(comparison)
-    return result
-
-
 def assert_equivalent(
-    original: ModelLike, optimized: ModelLike, **kwargs: Any
+    original: ModelLike, optimized: ModelLike, **options: Unpack[CompareOptions]
 ) -> VerificationResult:
     """:func:`compare_models`, raising ``AssertionError`` with the result table on failure."""
-    result = compare_models(original, optimized, **kwargs)
+    result = compare_models(original, optimized, **options)
     if not result.passed:
         raise AssertionError("optimized model is not equivalent to the original\n" + str(result))
     return result
