@@ -11,9 +11,10 @@ import dataclasses
 
 from .records import EPCapabilities, GQASupport, OpSupport
 
-# Records are built up from smaller ones (dataclasses.replace adding what an EP has on top),
-# never by switching off what another EP has: a field added to OpSupport or GQASupport stays
-# off for every EP until its record turns it on.
+# Op sets are built up from smaller ones (dataclasses.replace adding the ops an EP has on
+# top), never by switching off ops another EP has: an op added to OpSupport stays off for
+# every EP until its record turns it on. GQA records of the limited EPs start from what they
+# all lack and each takes away more.
 _PORTABLE = OpSupport(
     attention=True,
     attention_softcap=True,
