@@ -52,6 +52,7 @@ from epfuse.patterns import (
     Stage,
 )
 from epfuse.patterns.analysis.shapes import declared_names, refine_shapes
+from epfuse.patterns.analysis.signature import DecoderSignature
 from epfuse.patterns.base import LAYER_KEY
 from epfuse.patterns.legalize._common import missing
 
@@ -236,13 +237,13 @@ class Canonicalize(StagePass):
         state = self.state
         canonical = [rule for rule in state.active if rule.stage is Stage.CANONICALIZE]
         changed, kept = sweep(state, canonical)
-        layers = _label_layers(model.graph)
+        layers = _label_layers(model.graph, kept)
         state.report.layers = layers
         state.layers = {layer.layer: layer for layer in layers}
         for node, reason in kept:
             index = _layer_of(node)
-            if index is not None and node.graph is model.graph:
-                layers[index].keep(reason.code, reason.message)
+            if index in state.layers and node.graph is model.graph:
+                state.layers[index].keep(reason.code, reason.message)
         return changed
 
 
@@ -562,18 +563,70 @@ def sweep(state: RunState, rules: list[Rule]) -> tuple[bool, list[tuple[ir.Node,
     return modified, []
 
 
-def _label_layers(graph: ir.Graph) -> list[LayerReport]:
-    layers = []
-    for node in graph:
-        if not _is_attention(node):
-            continue
-        index = len(layers)
+NOT_LIFTED = "attention not lifted"
+"""The result of a layer whose KV cache no attention node reads after canonicalization."""
+
+
+def _label_layers(graph: ir.Graph, kept: list = ()) -> list[LayerReport]:
+    """One report per attention layer, numbered by the KV cache layer its node reads.
+
+    A decoder layer whose attention was not lifted (no Attention reads its past) is still a
+    layer of the model: it is listed, ``fused: false``, with the canonicalization's reasons
+    for the nodes kept between its neighbours (so a partial lift never reads as "every layer
+    fused"). Without a KV cache, or when the nodes do not map one to one onto its layers, the
+    attention nodes are numbered in graph order and only they are listed."""
+    attention = [node for node in graph if _is_attention(node)]
+    pairs = DecoderSignature.of(graph).layers if attention else []
+    order = _cache_layers(pairs, attention)
+    layers: list[LayerReport] = []
+    for index, node in zip(order or range(len(attention)), attention, strict=True):
         node.metadata_props[LAYER_KEY] = str(index)
         given = node.domain != ""  # the input's own GroupQueryAttention
         result = "GroupQueryAttention (input)" if given else "Attention (kept)"
         name = node.name or node.op_type
         layers.append(LayerReport(layer=index, node=name, result=result, from_input=given))
-    return layers
+    if order is None or len(order) == len(pairs):
+        return sorted(layers, key=lambda layer: layer.layer)
+    position = {id(node): i for i, node in enumerate(graph)}
+    lifted = dict(zip(order, (position[id(n)] for n in attention), strict=True))
+    for index, (key, _value) in enumerate(pairs):
+        if index in lifted:
+            continue
+        before = max((p for i, p in lifted.items() if i < index), default=-1)
+        after = min((p for i, p in lifted.items() if i > index), default=len(position))
+        report = LayerReport(layer=index, node=key.past.name or "", result=NOT_LIFTED)
+        reasons = {
+            (reason.code, reason.message)
+            for node, reason in kept
+            if node.graph is graph
+            and _layer_of(node) is None
+            and before < position.get(id(node), -1) < after
+        }
+        for code, message in sorted(reasons):
+            report.keep(code, message)
+        if not reasons:
+            report.keep(
+                ReasonCode.FORM, "no rule lifted this layer's attention (not a recognized form)"
+            )
+        layers.append(report)
+    return sorted(layers, key=lambda layer: layer.layer)
+
+
+def _cache_layers(pairs: list, attention: list[ir.Node]) -> list[int] | None:
+    """The KV cache layer (index into ``pairs``, the signature's (key, value) per layer) each
+    attention node reads its past key from (Attention input 4, GroupQueryAttention input 3),
+    when every node reads a distinct one; else None."""
+    if not pairs or not attention:
+        return None
+    index_of = {id(key.past): i for i, (key, _value) in enumerate(pairs)}
+    order = []
+    for node in attention:
+        slot = 4 if node.domain == "" else 3
+        past = node.inputs[slot] if len(node.inputs) > slot else None
+        if past is None or id(past) not in index_of:
+            return None
+        order.append(index_of[id(past)])
+    return order if len(set(order)) == len(order) else None
 
 
 def _violations(graph: ir.Graph, ctx: RewriteContext, layers) -> list[Violation]:

@@ -11,6 +11,7 @@ import onnx
 import onnx_ir as ir
 import pytest
 
+import epfuse
 from epfuse import get_ep
 from epfuse.optimizer.manager import (
     MAX_SWEEPS,
@@ -210,3 +211,29 @@ def test_reference_run_lowers_nothing():
     )
     assert log == ["canonicalize"]
     assert report.layers == [] and report.nodes_after == 1
+
+
+def test_a_layer_whose_attention_is_not_lifted_is_still_a_layer():
+    """Three layers, the middle one's softmax over the wrong axis (not attention the lifts
+    know): the report lists all three, numbered by the KV cache each reads, the middle one
+    not fused with the lift's reason, and the model stays equal to the original."""
+    from epfuse.optimizer.manager import NOT_LIFTED
+    from epfuse.optimizer.verify import compare_models
+    from epfuse.patterns.reasons import ReasonCode
+    from epfuse.testing.model_builder import DecoderConfig, build_decoder
+
+    original = build_decoder(DecoderConfig(layers=3, style="torch18"))
+    softmax = [n for n in original.graph.node if n.op_type == "Softmax"]
+    next(a for a in softmax[1].attribute if a.name == "axis").i = 2
+    optimized, report = epfuse.optimize_with_report(original, "cpu")
+    assert [layer.layer for layer in report.layers] == [0, 1, 2], report.summary()
+    assert [layer.fused for layer in report.layers] == [True, False, True], report.summary()
+    middle = report.layers[1]
+    assert middle.result == NOT_LIFTED and ReasonCode.FORM in middle.codes, report.summary()
+    assert any("softmax over axis 2" in r for r in middle.reasons), report.summary()
+    assert report.fused_layers == 2 and "2 of 3 attention layers" in report.summary()
+    gqa = [n for n in optimized.graph.node if n.op_type == "GroupQueryAttention"]
+    assert [n.input[3] for n in gqa] == ["past_key_values.0.key", "past_key_values.2.key"]
+    with pytest.raises(epfuse.UnsupportedModelError, match="1 of 3 attention layers not fused"):
+        epfuse.optimize(original, "cpu", require_fusion=True)
+    assert compare_models(original, optimized).passed
