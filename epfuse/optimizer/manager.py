@@ -542,6 +542,8 @@ def sweep(state: RunState, rules: list[Rule]) -> tuple[bool, list[tuple[ir.Node,
                     layer.facts = outcome.facts
                     if outcome.note:
                         layer.notes.append(outcome.note)
+                    for part in outcome.kept:
+                        layer.keep(part.code, part.message)
                 break
         if not changed:
             for (rule_name, _), (node, kept) in kept_now.items():
@@ -745,8 +747,8 @@ def _assumptions(
     ]
     if any(n.attributes.get("do_rotary") and n.attributes["do_rotary"].value for n in gqa):
         notes.append(
-            "on a first prompt (no past) positions are contiguous: position_ids[b] = "
-            "position_ids[b, 0] + arange(seq)"
+            "on a first prompt (no past) positions are contiguous and the same for every row: "
+            "position_ids[b] = position_ids[0, 0] + arange(seq) (fused rotary reads row 0's start)"
         )
         rows = min(
             n.inputs[7].shape[0]

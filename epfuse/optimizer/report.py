@@ -129,7 +129,10 @@ class Report:
                     lines.append(f"  {key}: {text}")
         lines += ["", f"{'layer':>5}  {'result':<36}  details"]
         for layer in self.layers:
-            details = "; ".join(layer.notes + layer.reasons) or "-"
+            noted = {part for note in layer.notes for part in note.split("; ")}
+            # A part a fused layer kept outside is in its note and its reasons: shown once.
+            details = "; ".join(layer.notes + [r for r in layer.reasons if r not in noted])
+            details = details or "-"
             lines.append(f"{layer.layer:>5}  {layer.result:<36}  {details}")
         ran = [r for r in self.rules if r.rewritten or r.kept]
         skipped = [r for r in self.rules if not r.selected]

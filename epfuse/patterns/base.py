@@ -92,6 +92,9 @@ class Rewritten:
     standard or primitive ops does not)."""
     facts: AttentionFacts | None = None
     """With ``layer_result``: the fused node's parameters, for readers (not prose)."""
+    kept: tuple[Kept, ...] = ()
+    """With ``layer_result``: parts of the layer left outside the fused op (a rotation GQA
+    cannot take, say), each with its reason code; they enter the layer's ``codes``/``reasons``."""
 
 
 Outcome = Kept | Rewritten | None

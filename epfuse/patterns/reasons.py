@@ -31,6 +31,9 @@ class ReasonCode(enum.StrEnum):
     """The attention mask could not be proven causal (with or without a window)."""
     NOT_PROVEN = "not-proven"
     """Evaluation on ORT did not prove the rewrite equal (RoPE caches, sinks, mRoPE, MoE)."""
+    ROPE_POSITIONS = "rope-positions"
+    """RoPE positions the graph computes were not proven, by evaluation, to be the positions
+    GroupQueryAttention's fused rotary uses (its own, or fed as position_ids)."""
     SKIPPED_LAYER = "skipped-layer"
     """The layer was excluded by ``skip_layers``; recorded by the pass manager, not a rule."""
     ROLLED_BACK = "rolled-back"

@@ -13,28 +13,32 @@ reason citing the opset.
 
 One export per family, two layers (Gemma-3: four, to have both layer types twice): CI has 2
 cores. Expectations are the dynamo tables', except where Optimum's interface differs:
-Gemma-2/3 exports have no ``position_ids`` input (the rotation reads ``arange(past, past +
-seq)`` computed in the graph), which GroupQueryAttention's fused rotary cannot express, so
-their RoPE stays outside (``do_rotary=0``, with the reason in the report); and transformers
-4.x's sdpa attention drops Gemma-2's softcap (see ``test_families_transformers4``).
+Gemma (1, 2, 3) and Nemotron exports have no ``position_ids`` input (the rotation reads
+``arange(past, past + seq)`` computed in the graph from the cache length): evaluation proves
+them fused rotary's when given to GroupQueryAttention as ``position_ids`` (not GQA's own, which
+continue a padded row at its length), so they fuse with ``do_rotary=1`` and stay equal even
+in the decode after a padded prompt that verify skips for them; and transformers 4.x's sdpa
+attention drops Gemma-2's softcap (see ``test_families_transformers4``).
 """
 
 from __future__ import annotations
 
 import onnx
 import pytest
-from export_runs import assert_prompt_matches_hf
+from export_runs import assert_prompt_matches_hf, padded_decode_logits_diff
 from families.test_families_opset18 import EXPECTED as EXPECTED_18
 
 import epfuse
 from epfuse.optimizer.verify import compare_models
 from epfuse.testing.hf_families import ALL_FAMILIES, SLIDING_WINDOW
+from epfuse.tolerances import tolerance_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.optimum]
 
 W = SLIDING_WINDOW
 PROMPT, PAST = 2 * W + 1, 2 * W  # longer than any sliding window
-_COMPUTED_POSITIONS = "positions are computed in the graph"
+# Rotated at positions computed in the graph (no position_ids input), fed to GQA as such.
+COMPUTED_POSITIONS = {"gemma", "gemma2", "gemma3", "nemotron"}
 
 # family -> (do_rotary per layer, window per layer, softcap)
 EXPECTED: dict[str, tuple[tuple[int, ...], tuple[int | None, ...], float]] = {
@@ -47,14 +51,14 @@ EXPECTED.update(
         "smollm3": ((1, 0), (None, None), 0.0),  # layer 1 is NoPE: nothing to rotate
         "cohere": ((1, 1), (None, None), 0.0),  # interleaved rotary
         "phi2": ((1, 1), (None, None), 0.0),  # partial rotary, LayerNorm, parallel MLP
-        "gemma2": ((0, 0), (W, None), 0.0),
-        "gemma3": ((0, 0, 0, 0), (W, None, W, None), 0.0),
+        "gemma2": ((1, 1), (W, None), 0.0),
+        "gemma3": ((1, 1, 1, 1), (W, None, W, None), 0.0),
         "olmo": ((1, 1), (None, None), 0.0),  # weightless LayerNorm, clip_qkv
-        "gemma": ((0, 0), (None, None), 0.0),  # Gemma 1: no position_ids input, as Gemma-2/3
+        "gemma": ((1, 1), (None, None), 0.0),  # Gemma 1: no position_ids input, as Gemma-2/3
         # transformers 4.57 slices their masks to key_states.shape[-2]: layer 1's mask reads
         # layer 0's output by shape (cut at the key's inferred shape, analysis.mask_proof).
         "stablelm": ((1, 1), (None, None), 0.0),  # partial rotary, LayerNorm, biases
-        "nemotron": ((0, 0), (None, None), 0.0),  # no position_ids input, as Gemma
+        "nemotron": ((1, 1), (None, None), 0.0),  # no position_ids input, partial rotary
     }
 )
 # Not in optimum-onnx 0.1.0 (main_export: "Trying to export a olmo3 model, that is a custom or
@@ -99,8 +103,11 @@ def test_optimum_export_fuses_and_stays_equal(name, opset, tmp_path):
         note = layer.notes[0].split("; ")
         assert note[0] == mask, report.summary()
         if not do_rotary:
-            why = "not rotated" if (name, index) in NOPE else _COMPUTED_POSITIONS
-            assert any(why in part for part in note[1:]), report.summary()
+            assert (name, index) in NOPE, report.summary()
+            assert any("not rotated" in part for part in note[1:]), report.summary()
+        if name in COMPUTED_POSITIONS:
+            assert any("fed as position_ids" in part for part in note[1:]), report.summary()
+        assert not layer.codes, report.summary()
     gqa = [n for n in optimized.graph.node if n.op_type == "GroupQueryAttention"]
     for node, do_rotary, window in zip(gqa, rotary, windows, strict=True):
         attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
@@ -114,8 +121,20 @@ def test_optimum_export_fuses_and_stays_equal(name, opset, tmp_path):
     if all(rotary):
         assert not ops & {"Cos", "Sin"}, sorted(ops)
 
+    for node in gqa:  # fed positions at input 9; GQA's own (none) elsewhere
+        assert (len(node.input) > 9 and bool(node.input[9])) == (name in COMPUTED_POSITIONS)
+        if name == "nemotron":  # partial rotary: the cache covers half of head_dim
+            cos = next(i for i in optimized.graph.initializer if i.name == node.input[7])
+            assert list(cos.dims)[1] * 2 < config.head_dim, list(cos.dims)
+
     result = compare_models(original, optimized, prompt_len=PROMPT, decode_past_len=PAST)
     assert result.passed, str(result)
+    if name in COMPUTED_POSITIONS and not any(windows):
+        # verify skips this scenario (the export's rows differ from the rows run alone); the fed
+        # positions keep it equal. (A sliding window over the concat cache's slots, padding
+        # holes included, differs from GQA's compact cache whatever the positions.)
+        diff = padded_decode_logits_diff(original, optimized, [PROMPT, 3])
+        assert diff <= tolerance_for("float32").atol, diff
 
 
 def test_gpt_oss_fuses_every_layer_with_its_sinks(tmp_path):

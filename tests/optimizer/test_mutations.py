@@ -25,6 +25,7 @@ from epfuse.optimizer.verify import compare_models
 from epfuse.patterns import RULES, Rewritten
 from epfuse.patterns._graph import Builder
 from epfuse.patterns.lower.gqa import AttentionToGQA
+from epfuse.patterns.reasons import ReasonCode
 from epfuse.testing.strategies import check_equivalent, decoder_configs, scenario_lists
 
 
@@ -160,7 +161,7 @@ def mutant_lost_interleaved(ep: str = "cpu") -> tuple[onnx.ModelProto, onnx.Mode
 
 def test_fused_rotary_on_non_contiguous_positions_is_caught():
     """The original rotates by 2 * position_ids (computed in the graph); the mutant hands those
-    ids to GQA with do_rotary=1, whose first prompt uses position_ids[b, 0] + arange."""
+    ids to GQA with do_rotary=1, whose first prompt uses position_ids[0, 0] + arange."""
     cfg = DecoderConfig(style="mobius", layers=2)
     original = build_decoder(cfg)
     original.graph.initializer.append(numpy_helper.from_array(np.array(2, np.int64), "two"))
@@ -171,7 +172,7 @@ def test_fused_rotary_on_non_contiguous_positions_is_caught():
     # epfuse keeps such RoPE outside GQA (do_rotary=0), which is equivalent ...
     correct, report = epfuse.optimize_with_report(original, "cpu")
     assert {_attr(n, "do_rotary") for n in _gqa(correct)} == {0}
-    assert all("RoPE positions are computed" in " ".join(x.notes) for x in report.layers)
+    assert all(ReasonCode.ROPE_POSITIONS in x.codes for x in report.layers), report.summary()
     assert compare_models(original, correct).passed
     # ... while fusing it is the defect.
     original, mutant = mutant_fused_rotary_on_doubled_positions()

@@ -16,13 +16,19 @@ LongRoPE's two constant pairs selected per call by a scalar ``Where``, and
 Cast back to the rotated dtype is looked through) and the EP's fused rotary can take it (dtype, head-size and cache-width
 limits, interleaving, positions read from ``position_ids``), the rotation moves into GQA with
 ``do_rotary=1``. Otherwise the rotation stays in the graph and GQA runs with ``do_rotary=0``
-on the rotated Q and K — always correct — and the report says why.
+on the rotated Q and K — always correct — and the report says why (the note, and the
+layer's ``codes``/``reasons`` with the ``ReasonCode``).
 
-Fused rotary takes one position per token and, on a first prompt, only ``position_ids[b, 0]``
-(then consecutive positions). So ``do_rotary=1`` also needs the positions to be a (batch, seq)
-int64 graph input, contiguous by the decoder's contract; derived positions (e.g. one stream of
-a (3, batch, seq) mRoPE input) and 3-D mRoPE (``MRotaryEmbedding``, or cos/sin mixed from
-position streams) always keep the rotation outside.
+Fused rotary takes one position per token and, on a first prompt, only ``position_ids[0, 0]``
+(then consecutive positions, for every row: ORT 1.32 CPU). So ``do_rotary=1`` needs the
+positions to be a (batch, seq) int64 graph input, contiguous by the decoder's contract, or
+positions the graph computes (Optimum's Gemma and Nemotron: ``arange(past, past + seq)``)
+that ``analysis.rotary_positions`` proves by evaluation, over prompts, padded prompts, decode,
+chunked prefill and decode after a padded prompt, to be GQA's own (then GQA gets no
+``position_ids``, onnxruntime-genai's builder form) or fused rotary's when fed as
+``position_ids``; anything else keeps the rotation outside (``ReasonCode.ROPE_POSITIONS``).
+3-D mRoPE (``MRotaryEmbedding``, cos/sin mixed from position streams, or one stream of a
+(3, batch, seq) input) always keeps the rotation outside.
 """
 
 from __future__ import annotations
@@ -52,6 +58,7 @@ from ..analysis.manager import Unproven
 from ..analysis.mask_proof import MaskProof, attention_mask_proof
 from ..analysis.mrope_sections import is_streams, mrope_positions, unproven_reason
 from ..analysis.rope_caches import EvaluatedEqual
+from ..analysis.rotary_positions import ProvenPositions
 from ..analysis.switched_caches import switched_cache
 from ..base import AttentionFacts, Kept, RewriteContext, Rewritten, Rule, Stage
 from ..canonicalize.rotate_half import RotateHalfToRotaryEmbedding
@@ -59,6 +66,7 @@ from ..reasons import ReasonCode
 from .attention_sink import SinkPlan, match_sink, qk_used
 
 _MROPE_REASON = "3-D mRoPE positions ({how}): fused rotary takes one position per token"
+_NOT_EXPRESSIBLE, _EP_UNSUPPORTED = ReasonCode.NOT_EXPRESSIBLE, ReasonCode.EP_UNSUPPORTED
 
 
 class _Rope:
@@ -175,7 +183,7 @@ class AttentionToGQA(
                 ReasonCode.EP_UNSUPPORTED,
                 f"{ctx.ep.name}'s GroupQueryAttention does not honour a sliding window",
             )
-        rope_plan = self._plan_rope(node.inputs[0], node.inputs[1], head_size, ctx)
+        rope_plan = self._plan_rope(node.inputs[0], node.inputs[1], head_size, mask, ctx)
         if gqa_caps.requires_rotary_caches and not rope_plan.fused:
             why = rope_plan.reason or "no RotaryEmbedding on Q and K to fuse"
             return Kept(
@@ -213,7 +221,9 @@ class AttentionToGQA(
             attributes["local_window_size"] = int(mask.window)
         if rope_plan.fused:
             rope = rope_plan.q
-            inputs += [rope.cos, rope.sin, rope.positions]
+            inputs += (
+                [rope.cos, rope.sin] if rope_plan.derived else [rope.cos, rope.sin, rope.positions]
+            )
             attributes["do_rotary"] = 1
             attributes["rotary_interleaved"] = int(rope.interleaved)
         else:
@@ -264,8 +274,13 @@ class AttentionToGQA(
             extras.append(f"softcap {softcap:g}")
         if sink is not None:
             extras.append("attention sinks as head_sink")
+        kept: tuple[Kept, ...] = ()
         if rope_plan.reason:
             extras.append(f"RoPE kept outside: {rope_plan.reason}")
+            if rope_plan.code is not None:
+                kept = (Kept(rope_plan.code, f"RoPE kept outside: {rope_plan.reason}"),)
+        elif rope_plan.fused and rope_plan.how:
+            extras.append(rope_plan.how)
         elif rope_plan.fused and switched_cache(rope_plan.q.cos) is not None:
             extras.append("LongRoPE caches chosen per call")
         cos = None  # the fused cos cache, (rows, rotary_dim / 2); LongRoPE's two are alike
@@ -286,29 +301,35 @@ class AttentionToGQA(
             softcap=softcap or None,
             head_sink=sink is not None,
         )
-        return Rewritten("; ".join(extras), layer_result=result, facts=facts)
+        return Rewritten("; ".join(extras), layer_result=result, facts=facts, kept=kept)
 
-    def _plan_rope(self, q: ir.Value, k: ir.Value, head_size: int, ctx: RewriteContext):
+    def _plan_rope(
+        self, q: ir.Value, k: ir.Value, head_size: int, mask: MaskProof, ctx: RewriteContext
+    ):
         caps = ctx.ops.gqa
         q_node, k_node = _rotary_producer(q), _rotary_producer(k)
         mrotary = [producer(v, "MRotaryEmbedding", "com.microsoft") for v in (q, k)]
         if any(n is not None for n in mrotary):
-            return _RopePlan(False, None, None, _MROPE_REASON.format(how="MRotaryEmbedding"))
+            return _RopePlan(
+                False, None, None, _MROPE_REASON.format(how="MRotaryEmbedding"), _NOT_EXPRESSIBLE
+            )
         if q_node is None and k_node is None:
             # Rotation, if any, is in other ops (e.g. a decomposed rotate_half) and stays.
-            reason = _arithmetic_rope_reason(q) or "Q and K are not rotated by a RotaryEmbedding"
-            return _RopePlan(False, None, None, reason)
+            arithmetic = _arithmetic_rope_reason(q)
+            if arithmetic is None:  # nothing rotated (NoPE): nothing kept outside
+                return _RopePlan(False, None, None, "Q and K are not rotated by a RotaryEmbedding")
+            return _RopePlan(False, None, None, arithmetic, ReasonCode.FORM)
         if q_node is None or k_node is None:
-            return _RopePlan(False, None, None, "only one of Q and K is rotated")
+            return _RopePlan(False, None, None, "only one of Q and K is rotated", ReasonCode.FORM)
         rq, rk = _Rope(q_node), _Rope(k_node)
         if not rq.same_as(rk) and not rq.evaluates_as(rk, ctx):
-            return _RopePlan(False, rq, rk, "Q and K are rotated differently")
+            return _RopePlan(False, rq, rk, "Q and K are rotated differently", ReasonCode.FORM)
         if rq.positions is None and rq.cos is not None and mrope_positions(rq.cos) is not None:
             how = "cos/sin mixed per stream"
             unproven = unproven_reason(ctx, rq.node)
             if unproven:
                 how += f"; not lowered to MRotaryEmbedding: {unproven}"
-            return _RopePlan(False, rq, rk, _MROPE_REASON.format(how=how))
+            return _RopePlan(False, rq, rk, _MROPE_REASON.format(how=how), _NOT_EXPRESSIBLE)
         cos, sin = rq.caches()
         if cos is None and sin is None:
             # LongRoPE: Where(cond, cache, cache) picks one constant pair per call; GQA is
@@ -317,33 +338,88 @@ class AttentionToGQA(
             if None not in switched and switched[0].cond is switched[1].cond:
                 cos, sin = switched[0].when_true, switched[1].when_true
         if cos is None or sin is None or rq.positions is None:
-            return _RopePlan(False, rq, rk, "cos/sin are not constant caches with position_ids")
+            return _RopePlan(
+                False, rq, rk, "cos/sin are not constant caches with position_ids", ReasonCode.FORM
+            )
         if cos.ndim != 2 or sin.shape != cos.shape:
-            return _RopePlan(False, rq, rk, "cos/sin caches are not (max_len, rotary_dim/2)")
+            return _RopePlan(
+                False, rq, rk, "cos/sin caches are not (max_len, rotary_dim/2)", ReasonCode.SHAPE
+            )
         pos = rq.positions
         if is_streams(pos):
-            return _RopePlan(False, rq, rk, _MROPE_REASON.format(how="position_ids"))
+            return _RopePlan(
+                False, rq, rk, _MROPE_REASON.format(how="position_ids"), _NOT_EXPRESSIBLE
+            )
         if pos.shape is None or len(pos.shape) != 2:
-            return _RopePlan(False, rq, rk, "positions are not known to be (batch, seq)")
+            return _RopePlan(
+                False, rq, rk, "positions are not known to be (batch, seq)", ReasonCode.SHAPE
+            )
+        derived, how = False, None  # derived: positions are GQA's own, no position_ids input
         if not pos.is_graph_input():
+            # Fused rotary uses position_ids[0, 0] + arange on a first prompt (ORT 1.32 CPU), or
+            # its own positions without them: computed positions are proven one or the other.
+            proven = ctx.analysis(
+                ProvenPositions, pos, mask.attention_mask, ctx.options.max_seq_len
+            )
+            if isinstance(proven, Unproven):
+                return _RopePlan(
+                    False,
+                    rq,
+                    rk,
+                    f"RoPE positions computed in the graph are not fused rotary's: {proven.reason}",
+                    ReasonCode.ROPE_POSITIONS,
+                )
+            derived = proven.derived
+            how = (
+                f"RoPE positions computed in the graph: GQA's own, proven at {proven.probes} probes"
+                if derived
+                else "RoPE positions computed in the graph fed as position_ids, proven at "
+                f"{proven.probes} probes ({proven.why_not_derived})"
+            )
+            if not derived and not proven.per_row:
+                return _RopePlan(
+                    False,
+                    rq,
+                    rk,
+                    f"RoPE positions computed in the graph: {proven.why_not_derived}, and they "
+                    "are (1, seq), not the (batch, seq) GQA's position_ids must be",
+                    ReasonCode.ROPE_POSITIONS,
+                )
+            if not derived and not caps.rotary_position_ids:
+                return _RopePlan(
+                    False,
+                    rq,
+                    rk,
+                    f"RoPE positions computed in the graph: {proven.why_not_derived}, and "
+                    f"{ctx.ep.name}'s fused rotary ignores position_ids",
+                    ReasonCode.ROPE_POSITIONS,
+                )
+        width = cos.shape[1]
+        rotary_dim = rq.rotary_dim or head_size
+        if rotary_dim != 2 * width:
             return _RopePlan(
                 False,
                 rq,
                 rk,
-                # Fused rotary on a first prompt uses position_ids[b, 0] + arange: only the
-                # graph input is under that (documented) contract, not ids computed from it.
-                "RoPE positions are computed in the graph, not the position_ids input",
+                "rotary_embedding_dim disagrees with the cache width",
+                ReasonCode.SHAPE,
             )
-        width = cos.shape[1]
-        rotary_dim = rq.rotary_dim or head_size
-        if rotary_dim != 2 * width:
-            return _RopePlan(False, rq, rk, "rotary_embedding_dim disagrees with the cache width")
         if not caps.fused_rotary:
-            return _RopePlan(False, rq, rk, f"{ctx.ep.name}'s GQA has no fused rotary")
-        if not caps.rotary_position_ids:
-            return _RopePlan(False, rq, rk, f"{ctx.ep.name}'s fused rotary ignores position_ids")
+            return _RopePlan(
+                False, rq, rk, f"{ctx.ep.name}'s GQA has no fused rotary", _EP_UNSUPPORTED
+            )
+        if not derived and not caps.rotary_position_ids:
+            return _RopePlan(
+                False,
+                rq,
+                rk,
+                f"{ctx.ep.name}'s fused rotary ignores position_ids",
+                ReasonCode.EP_UNSUPPORTED,
+            )
         if rq.interleaved and not caps.interleaved_rotary:
-            return _RopePlan(False, rq, rk, f"{ctx.ep.name}'s fused rotary is not interleaved")
+            return _RopePlan(
+                False, rq, rk, f"{ctx.ep.name}'s fused rotary is not interleaved", _EP_UNSUPPORTED
+            )
         if head_size % caps.rotary_head_size_multiple:
             return _RopePlan(
                 False,
@@ -351,14 +427,19 @@ class AttentionToGQA(
                 rk,
                 f"head size {head_size} is not a multiple of {caps.rotary_head_size_multiple} "
                 "for fused rotary",
+                _EP_UNSUPPORTED,
             )
         if width % caps.rotary_cache_width_multiple or width > head_size // 2:
             return _RopePlan(
-                False, rq, rk, f"cos/sin width {width} is not accepted by fused rotary"
+                False,
+                rq,
+                rk,
+                f"cos/sin width {width} is not accepted by fused rotary",
+                _EP_UNSUPPORTED,
             )
-        if pos.dtype != ir.DataType.INT64:
-            return _RopePlan(False, rq, rk, "position_ids are not int64")
-        return _RopePlan(True, rq, rk, None)
+        if not derived and pos.dtype != ir.DataType.INT64:
+            return _RopePlan(False, rq, rk, "position_ids are not int64", ReasonCode.DTYPE)
+        return _RopePlan(True, rq, rk, None, derived=derived, how=how)
 
 
 def _rotary_producer(value: ir.Value) -> ir.Node | None:
@@ -389,8 +470,22 @@ def _arithmetic_rope_reason(q: ir.Value) -> str | None:
 
 
 class _RopePlan:
-    def __init__(self, fused: bool, q: _Rope | None, k: _Rope | None, reason: str | None):
-        self.fused, self.q, self.k, self.reason = fused, q, k, reason
+    def __init__(
+        self,
+        fused: bool,
+        q: _Rope | None,
+        k: _Rope | None,
+        reason: str | None,
+        code: ReasonCode | None = None,
+        *,
+        derived: bool = False,
+        how: str | None = None,
+    ):
+        self.fused, self.q, self.k, self.reason, self.code = fused, q, k, reason, code
+        self.derived, self.how = derived, how
+        """``code``: why a rotation stays outside GQA (None: fused, or nothing rotated)."""
+        """Fused with GQA's own positions (proven equal to the computed ones): no
+        position_ids input, onnxruntime-genai's builder form."""
 
 
 def _query_batch_seq(q: ir.Value, sink: SinkPlan | None) -> tuple[Dim, Dim] | None:

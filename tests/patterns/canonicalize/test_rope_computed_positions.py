@@ -1,7 +1,8 @@
 """RoPE at positions the graph computes (Optimum's Gemma exports take no position_ids and
 rotate at ``arange(past, past + seq)[None]``): lifted to RotaryEmbedding over constant caches
-read at those positions, broadcast to the rotated input's (batch, seq); GQA keeps the
-rotation outside (fused rotary takes only the position_ids input) and says so."""
+read at those positions, broadcast to the rotated input's (batch, seq) by one Expand, which
+GQA's fused rotary then reads as ``position_ids`` (proven in
+``tests/patterns/lower/test_gqa_computed_positions.py``)."""
 
 from __future__ import annotations
 
@@ -49,9 +50,12 @@ def test_rope_at_computed_positions_is_lifted_with_caches():
     original = _arange_positions_decoder()
     optimized, report = epfuse.optimize_with_report(original, "cpu")
     for layer in report.layers:
-        assert layer.result == "GroupQueryAttention(do_rotary=0)", report.summary()
-        assert "positions are computed in the graph" in layer.notes[0], report.summary()
+        assert layer.result == "GroupQueryAttention(do_rotary=1)", report.summary()
+        assert "computed in the graph fed as position_ids" in layer.notes[0], report.summary()
     ops = [n.op_type for n in optimized.graph.node]
     assert "Cos" not in ops and "Sin" not in ops  # constant caches, not run-time trig
-    assert ops.count("RotaryEmbedding") == 4 and ops.count("Expand") == 1  # shared by Q and K
+    assert ops.count("Expand") == 1  # the positions broadcast once, shared by every layer
+    gqa = [n for n in optimized.graph.node if n.op_type == "GroupQueryAttention"]
+    expand = next(n for n in optimized.graph.node if n.op_type == "Expand")
+    assert all(n.input[9] == expand.output[0] for n in gqa)
     assert_equivalent(original, optimized)
