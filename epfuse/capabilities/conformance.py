@@ -74,7 +74,9 @@ def required_flags(node: ir.Node) -> tuple[Capability | str, ...] | None:
     if op == ("com.microsoft", "GroupQueryAttention"):
         flags = [Capability.GQA]
         if _attr(node, "do_rotary", 0):
-            flags += [Capability.GQA_FUSED_ROTARY, Capability.GQA_ROTARY_POSITION_IDS]
+            flags.append(Capability.GQA_FUSED_ROTARY)
+            if _present(node, 9):  # without position_ids GQA rotates at its own positions
+                flags.append(Capability.GQA_ROTARY_POSITION_IDS)
             if _attr(node, "rotary_interleaved", 0):
                 flags.append(Capability.GQA_INTERLEAVED_ROTARY)
         if _attr(node, "softcap", 0.0):

@@ -29,7 +29,7 @@ import onnx_ir as ir
 from .._evaluate import SubgraphEvaluator, _Unprovable, value_dependencies
 from .._graph import attr, const_array, const_ints, input_at
 from .manager import Analysis, Unproven
-from .signature import probe_array
+from .signature import input_role, probe_array
 
 if TYPE_CHECKING:
     from ..base import RewriteContext
@@ -207,18 +207,37 @@ def through(value: ir.Value | None, steps: int = 6) -> ir.Value | None:
     return value
 
 
-# (batch, seq, past) sizes computed positions are checked at.
-_RANGE_PROBES = ((1, 1, 0), (2, 5, 0), (1, 1, 7), (2, 3, 8), (1, 33, 0))
+# (batch, seq, past) sizes computed positions are checked at; a mask they read by value is fed
+# right-padded (row b valid for its first lengths[b] tokens), and once with a padded prompt's
+# hole kept in the cache (decode after a padded prompt: [1]*5 + [0]*2 + [1]).
+_RANGE_PROBES = (
+    (1, 1, 0, None),
+    (2, 5, 0, (5, 3)),
+    (1, 1, 7, None),
+    (2, 3, 8, (11, 6)),
+    (1, 33, 0, None),
+    (2, 1, 7, ((1,) * 8, (1,) * 5 + (0,) * 2 + (1,))),
+)
+
+
+def _probe_mask(batch: int, total: int, rows) -> np.ndarray:
+    if rows is None:
+        return np.ones((batch, total), np.int64)
+    if isinstance(rows[0], tuple):
+        return np.asarray(rows, np.int64)
+    return (np.arange(total)[None, :] < np.asarray(rows)[:, None]).astype(np.int64)
 
 
 def _positions_cut(graph: ir.Graph, positions: ir.Value) -> tuple[ir.Value, ...] | str:
     """Where the cos/sin proof feeds positions: the ``position_ids`` input itself, or positions
-    the graph computes from input *shapes* only (``arange(past, past + seq)``), fed there.
+    the graph computes from input *shapes* (``arange(past, past + seq)``) and at most the
+    attention mask by value (``cumsum(mask) - 1``), fed there.
 
     The caches have ``max_seq_len`` rows, which the input contract bounds for position_ids
     (< past + seq); computed positions must be shown to stay in that range too, by evaluating
-    them at several (batch, seq, past) sizes. Positions computed from input values (an offset
-    position_ids, say) are not cut: the proof then sees what else cos/sin read, and refuses.
+    them at several (batch, seq, past) sizes and masks. Positions computed from other input
+    values (an offset position_ids, say) are not cut: the proof then sees what else cos/sin
+    read, and refuses.
     """
     if positions.is_graph_input():
         return ()
@@ -226,20 +245,27 @@ def _positions_cut(graph: ir.Graph, positions: ir.Value) -> tuple[ir.Value, ...]
         by_value, by_shape = value_dependencies(positions)
     except _Unprovable as err:
         return f"the positions could not be evaluated ({err})"
+    mask = None
     if by_value:
-        return ()
+        (mask,) = by_value if len(by_value) == 1 else (None,)
+        if mask is None or input_role(mask) != "mask":
+            return ()
     shaped = sorted(by_shape, key=lambda v: v.name or "")
     try:
-        evaluator = SubgraphEvaluator(graph, [positions], inputs=shaped)
+        evaluator = SubgraphEvaluator(
+            graph, [positions], inputs=[*shaped, *([mask] if mask is not None else [])]
+        )
     except Exception as err:
         return f"the computed positions could not be evaluated ({type(err).__name__})"
-    for batch, seq, past in _RANGE_PROBES:
+    for batch, seq, past, rows in _RANGE_PROBES:
         feeds = {}
         for value in shaped:
             array = probe_array(value, None, batch, seq, past)
             if array is None:
                 return f"the positions read the shape of {value.name!r}, which cannot be sized"
             feeds[value.name] = array
+        if mask is not None:
+            feeds[mask.name] = _probe_mask(batch, past + seq, rows).astype(mask.dtype.numpy())
         try:
             (got,) = evaluator(feeds)
         except Exception as err:

@@ -3,8 +3,8 @@ Nemotron exports) moves into GroupQueryAttention only where evaluation proves th
 fused rotary's (``analysis.rotary_positions``):
 
 * counted from the attention mask (``cumsum(mask) - 1``, Hugging Face's generation): GQA's own
-  positions in every probe, so GQA needs no ``position_ids`` (onnxruntime-genai's builder form;
-  checked on the proof: the cos/sin lift does not yet cut at positions read from the mask);
+  positions in every probe, so GQA takes no ``position_ids`` (onnxruntime-genai's builder form),
+  also on an EP whose fused rotary ignores position_ids;
 * counted from the cache length (``arange(past, past + seq)``): GQA's own except after a
   right-padded prompt (the row continues at the cache length, GQA at its length), so they are
   fed as ``position_ids``; an EP that ignores position_ids keeps the rotation outside;
@@ -119,11 +119,7 @@ def _gqa(proto: onnx.ModelProto) -> list[onnx.NodeProto]:
     return [n for n in proto.graph.node if n.op_type == "GroupQueryAttention"]
 
 
-def _do_rotary(node: onnx.NodeProto) -> int:
-    return next(onnx.helper.get_attribute_value(a) for a in node.attribute if a.name == "do_rotary")
-
-
-@pytest.mark.parametrize("form", ["cache-length", "reversed"])
+@pytest.mark.parametrize("form", ["cache-length", "mask-cumsum", "reversed"])
 def test_computed_positions_fuse_where_proven_and_stay_equal(form):
     original = ir.to_proto(_computed_positions_decoder(form))
     optimized, report = epfuse.optimize_with_report(original, "cpu")
@@ -142,16 +138,19 @@ def test_computed_positions_fuse_where_proven_and_stay_equal(form):
         assert fed == (form == "cache-length"), list(node.input)
     ops = [n.op_type for n in optimized.graph.node]
     assert ("RotaryEmbedding" in ops) == (form == "reversed")
+    assert not {"Cos", "Sin"} & set(ops)  # lifted to constant caches at the computed positions
     result = compare_models(original, optimized)
     assert result.passed, str(result)
-    # Verify skips the decode after a padded prompt (the original's rows differ from the rows
-    # run alone at the cache-length positions); the fed positions keep even that equal.
+    if form == "mask-cumsum":  # its rows equal the rows run alone: verify compares this too
+        assert result.scenario("padded_decode").skipped is None, str(result)
+    # Verify skips the decode after a padded prompt for cache-length positions (the original's
+    # rows differ from the rows run alone); the fed positions keep even that equal.
     assert (
         padded_decode_logits_diff(original, optimized, [9, 4, 6]) <= tolerance_for("float32").atol
     )
 
 
-@pytest.mark.parametrize("form", ["cache-length"])
+@pytest.mark.parametrize("form", ["cache-length", "mask-cumsum"])
 def test_ep_ignoring_position_ids_fuses_only_gqa_own_positions(form):
     original = ir.to_proto(_computed_positions_decoder(form))
     optimized, report = epfuse.optimize_with_report(original, "webgpu", precision="float32")
