@@ -180,3 +180,40 @@ def test_gpt_oss_fuses_every_layer_with_its_sinks(tmp_path):
     assert "RotaryEmbedding" not in ops, sorted(ops)
     result = compare_models(original, optimized, prompt_len=PROMPT, decode_past_len=PAST)
     assert result.passed, str(result)
+
+
+# Optimum patches transformers 4.57's experts for export: Qwen3-MoE's sparse block loops over
+# every expert (not only the experts the trace input routes to), GPT-OSS's experts run every
+# expert on every token; canonicalization lifts either to the batched experts form.
+MOE_OPTIMUM = {
+    "qwen3-moe": ("expert-loop-to-batched", 0),
+    "gpt-oss": ("dense-experts-to-batched", 1),
+}
+
+
+@pytest.mark.parametrize("name", list(MOE_OPTIMUM))
+def test_optimum_experts_become_moe(name, tmp_path):
+    """Every layer's experts become one com.microsoft::MoE (lifted, then lowered with the
+    router semantics proven: Qwen3-MoE's softmax top-k as is, GPT-OSS's top-k then softmax,
+    i.e. renormalized, with its clamped SwiGLU), and the model stays equal to the export."""
+    from epfuse.testing.hf_families import MOE_FAMILIES, SINK_FAMILIES
+    from epfuse.testing.optimum_export import export_optimum_decoder
+
+    config = {**MOE_FAMILIES, **SINK_FAMILIES}[name].make_config()
+    original = onnx.load(str(export_optimum_decoder(config, tmp_path)))
+    assert_prompt_matches_hf(config, original, PROMPT)
+    optimized, report = epfuse.optimize_with_report(original, "cpu")
+    lift, normalized = MOE_OPTIMUM[name]
+    rules = {r.name: r for r in report.rules}
+    assert rules[lift].rewritten == 2 and not rules[lift].kept, report.summary()
+    assert rules["experts-to-moe"].rewritten == 2, report.summary()
+    moe = [n for n in optimized.graph.node if n.op_type == "MoE"]
+    assert len(moe) == 2, report.summary()
+    for node in moe:
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+        assert attrs["k"] == 2 and attrs["normalize_routing_weights"] == normalized
+        assert ("swiglu_limit" in attrs) == (name == "gpt-oss")
+    ops = {n.op_type for n in optimized.graph.node}
+    assert not ops & {"NonZero", "OneHot", "TopK", "Tile"}, sorted(ops)
+    result = compare_models(original, optimized, prompt_len=PROMPT, decode_past_len=PAST)
+    assert result.passed, str(result)
