@@ -217,3 +217,15 @@ def test_optimum_experts_become_moe(name, tmp_path):
     assert not ops & {"NonZero", "OneHot", "TopK", "Tile"}, sorted(ops)
     result = compare_models(original, optimized, prompt_len=PROMPT, decode_past_len=PAST)
     assert result.passed, str(result)
+
+    # An EP without MoE: lifted, then a loop over the experts (one NonZero per expert).
+    no_moe = epfuse.get_ep("cpu").variant("cpu-no-moe", moe=False)
+    looped, report = epfuse.optimize_with_report(original, no_moe)
+    rules = {r.name: r for r in report.rules}
+    assert rules["legalize-experts-to-loop"].rewritten == 2, report.summary()
+    ops = [n.op_type for n in looped.graph.node]
+    experts = getattr(config, "num_local_experts", None) or config.num_experts
+    assert ops.count("NonZero") == 2 * experts, sorted(set(ops))
+    assert "MoE" not in ops and "GatherND" not in ops, sorted(set(ops))
+    result = compare_models(original, looped, prompt_len=PROMPT, decode_past_len=PAST)
+    assert result.passed, str(result)

@@ -88,6 +88,8 @@ class _Experts:
     beta: float
     limit: float | None
     sparse_mixer: bool = False
+    weights: ir.Value | None = None
+    """The per-(token, slot) routing weights the expert outputs are multiplied by."""
 
 
 def _strip_noise(value: ir.Value) -> ir.Value:
@@ -324,7 +326,7 @@ def _match(node: ir.Node) -> _Experts | str | None:
             return "expert weight tables do not have one entry per router logit"
     if fc2.weight.shape[2] != len(gate) or fc2.weight.shape[1] != fc1.weight.shape[2]:
         return "the expert projections do not chain (hidden -> intermediate -> hidden)"
-    return _Experts(tokens, logits, k[0], fc1, fc2, gate, up, alpha, beta, limit, sparse)
+    return _Experts(tokens, logits, k[0], fc1, fc2, gate, up, alpha, beta, limit, sparse, weights)
 
 
 def _moe_arrays(e: _Experts, reverse: bool, dtype):
@@ -535,4 +537,166 @@ class ExpertsToMoE(
         return Rewritten(
             f"{fc1.shape[0]} experts, k={e.k}, {how}, SwiGLU alpha {e.alpha:g} beta {e.beta:g}"
             f"{extra} (proven on ORT, ties included)"
+        )
+
+
+# ---------------------------------------------------------------- EPs without MoE
+
+
+def _emit_loop(b: Builder, e: _Experts, x: ir.Value, index: ir.Value, weights: ir.Value):
+    """The experts as a loop in standard ops, on (tokens, the flat top-k index, the flat
+    routing weights): per expert, the (token, slot) pairs routed to it (``NonZero``), its MLP
+    on those tokens' rows, times their weights, added into the output rows (``ScatterND``
+    with ``reduction="add"``)."""
+    dtype = e.fc1.weight.dtype
+    i64 = np.int64
+    slots = b.op("Reshape", [index, b.const("flat", np.array([-1], i64))])
+    flat_w = b.op("Reshape", [weights, b.const("column", np.array([-1, 1], i64))])
+    acc = b.op("ConstantOfShape", [b.op("Shape", [x])], {"value": ir.tensor(np.zeros(1, dtype))})
+    k = b.const("k", np.array(e.k, i64))
+    zero, last = b.const("axis0", np.array([0], i64)), b.const("last", np.array([-1], i64))
+    for expert in range(e.fc1.weight.shape[0]):
+        routed = b.op("Equal", [slots, b.const(f"e{expert}", np.array(expert, i64))])
+        pairs = b.op("Squeeze", [b.op("NonZero", [routed]), zero])  # flat (token, slot)
+        tokens = b.op("Div", [pairs, k])
+        rows = b.op("Gather", [x, tokens], {"axis": 0})
+
+        def linear(act, weight, bias, name):
+            out = b.op("MatMul", [act, b.const(name, np.ascontiguousarray(weight.T))])
+            if bias is not None:
+                out = b.op("Add", [out, b.const(f"{name}_bias", bias)])
+            return out
+
+        w1, b1 = e.fc1.weight[expert], e.fc1.bias
+        gate = linear(
+            rows, w1[e.gate_rows], None if b1 is None else b1[expert][e.gate_rows], f"gate{expert}"
+        )
+        up = linear(
+            rows, w1[e.up_rows], None if b1 is None else b1[expert][e.up_rows], f"up{expert}"
+        )
+        if e.limit is not None:
+            limit = np.array(e.limit, dtype)
+            gate = b.op("Min", [gate, b.const("limit", limit)])
+            up = b.op("Clip", [up, b.const("neg_limit", -limit), b.const("limit", limit)])
+        if e.beta:
+            up = b.op("Add", [up, b.const("beta", np.array(e.beta, dtype))])
+        scaled = gate
+        if e.alpha != 1.0:
+            scaled = b.op("Mul", [gate, b.const("alpha", np.array(e.alpha, dtype))])
+        act = b.op("Mul", [b.op("Mul", [gate, b.op("Sigmoid", [scaled])]), up])
+        b2 = None if e.fc2.bias is None else e.fc2.bias[expert]
+        y = linear(act, e.fc2.weight[expert], b2, f"down{expert}")
+        y = b.op("Mul", [y, b.op("Gather", [flat_w, pairs], {"axis": 0})])
+        at = b.op("Unsqueeze", [tokens, last])
+        acc = b.op("ScatterND", [acc, at, y], {"reduction": "add"})
+    return acc
+
+
+def _loop_session(e: _Experts, opsets: dict[str, int]) -> ort.InferenceSession:
+    x = ir.Value(name="x", type=e.tokens.type, shape=ir.Shape(["T", e.fc1.weight.shape[2]]))
+    index = ir.Value(name="index", type=ir.TensorType(ir.DataType.INT64), shape=None)
+    assert e.weights is not None
+    weights = ir.Value(name="w", type=e.tokens.type, shape=None)  # the Mul reads both
+    graph = ir.Graph([x, index, weights], [], nodes=[], opset_imports=dict(opsets), name="loop")
+    builder = Builder(graph, None, "loop")
+    y = _emit_loop(builder, e, x, index, weights)
+    graph.extend(builder.nodes)
+    y.type = e.tokens.type
+    graph.outputs.append(y)
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    proto = ir.to_proto(ir.Model(graph, ir_version=10))
+    return ort.InferenceSession(
+        proto.SerializeToString(), options, providers=["CPUExecutionProvider"]
+    )
+
+
+def _prove_loop(ctx: RewriteContext, y: ir.Value, e: _Experts) -> str | None:
+    """None when the loop, fed the region's own top-k index and weights, equals the region."""
+    assert e.weights is not None
+    try:
+        _, by_shape = value_dependencies(y)
+    except _Unprovable as err:
+        return str(err)
+    shaped = sorted(by_shape, key=lambda v: v.name or "")
+    outputs = [y, e.fc1.index, e.weights]
+    try:
+        original = SubgraphEvaluator(ctx.graph, outputs, inputs=[e.tokens, e.logits, *shaped])
+        session = _loop_session(e, dict(ctx.graph.opset_imports))
+    except Exception as err:
+        return f"the experts could not be evaluated ({str(err).splitlines()[0][:120]})"
+    if set(original.input_names) - {e.tokens.name, e.logits.name, *(v.name for v in shaped)}:
+        return "the experts region reads more than the tokens and router logits"
+    dtype = e.tokens.dtype.numpy()
+    hidden, experts = e.fc1.weight.shape[2], e.fc1.weight.shape[0]
+    tol = tolerance_for("float16" if e.tokens.dtype == ir.DataType.FLOAT16 else "float32")
+    rng = np.random.default_rng(0)
+    for tokens in (*_TOKEN_COUNTS, experts + 4):
+        feeds = {
+            e.tokens.name: rng.standard_normal((tokens, hidden)).astype(dtype),
+            e.logits.name: _probe_logits(rng, tokens, experts, e.k, dtype),
+        }
+        for value in shaped:
+            array = probe_array(value, None, 1, tokens, 0)
+            if array is None:
+                return f"the experts region reads the shape of {value.name!r}"
+            feeds[value.name] = array
+        try:
+            want, index, weights = original({n: feeds[n] for n in original.input_names})
+            (got,) = session.run(None, {"x": feeds[e.tokens.name], "index": index, "w": weights})
+        except Exception as err:
+            return f"the experts could not be run ({type(err).__name__})"
+        if got.shape != want.shape or not np.allclose(got, want, atol=tol.atol, rtol=tol.rtol):
+            return "the loop over the experts does not compute what the batched experts compute"
+    return None
+
+
+class ExpertsToLoop(
+    Rule, name="legalize-experts-to-loop", stage=Stage.LEGALIZE, anchor="ReduceSum"
+):
+    """batched experts the EP cannot run as MoE -> a loop over the experts in standard ops
+
+    The batched form gathers one full weight matrix per (token, slot): (T * k, 2I, H) floats
+    at a prompt of T tokens, more than an EP can hold at real sizes. Where the EP has no MoE,
+    each expert runs instead on the rows routed to it (``NonZero``, ``Gather``, its MLP,
+    ``ScatterND`` add), with the graph's own top-k index and routing weights, so whatever the
+    router computes stays as it is; proven equal to the batched region on ORT. A LEGALIZE rule
+    (what the record cannot take as MoE, as primitives), beside ``experts-to-moe`` because it
+    reads the same form."""
+
+    def requires(self, ops, ep):
+        if ops.moe:
+            return f"{ep.name} runs com.microsoft::MoE"
+        return None
+
+    def match(self, node: ir.Node, ctx: RewriteContext):
+        matched = _match(node)
+        if matched is None or isinstance(matched, str) or ctx.skips(node):
+            return None  # experts-to-moe reports the forms it cannot read
+        if matched.weights is None or matched.tokens.dtype not in (
+            ir.DataType.FLOAT,
+            ir.DataType.FLOAT16,
+        ):
+            return None
+        if ctx.graph.opset_imports.get("", 0) < 16:
+            return Kept(ReasonCode.OPSET, "experts kept batched: ScatterND add needs opset 16")
+        return _MoEMatch(node, matched)
+
+    def check(self, m: _MoEMatch, ctx: RewriteContext) -> Kept | None:
+        why = _prove_loop(ctx, m.node.outputs[0], m.experts)
+        return None if why is None else Kept(ReasonCode.NOT_PROVEN, f"experts kept batched: {why}")
+
+    def rewrite(self, m: _MoEMatch, ctx: RewriteContext) -> Rewritten:
+        node, e = m.node, m.experts
+        assert e.weights is not None
+        builder = Builder(ctx.graph, node, f"epfuse/{node.name or 'experts'}/loop")
+        y = _emit_loop(builder, e, e.tokens, e.fc1.index, e.weights)
+        old = node.outputs[0]
+        y.shape, y.type = old.shape, old.type
+        replace_value(old, y)
+        remove_dead(ctx.graph, [node])
+        return Rewritten(
+            f"{e.fc1.weight.shape[0]} experts as a loop over the experts (no MoE on this EP; "
+            "proven on ORT)",
+            fused=False,
         )

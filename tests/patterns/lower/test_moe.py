@@ -195,3 +195,40 @@ def test_ties_decide_the_expert_order():
         got[reverse] = session.run(None, {"x": x, "r0": logits})[0]
     assert np.abs(got[True] - want).max() < 1e-4
     assert np.abs(got[False] - want).max() > 1e-2
+
+
+@pytest.mark.parametrize(
+    "v",
+    [Variant(), Variant(renormalize=False), Variant(style="gptoss"), Variant(router="sigmoid")],
+    ids=["mixtral-renormalized", "qwen3moe-plain-topk", "gptoss-clamped-swiglu", "sigmoid-router"],
+)
+def test_without_moe_the_experts_become_a_loop_over_the_experts(v):
+    """An EP without MoE gets one branch per expert (the rows routed to it, its MLP, ScatterND
+    add) in place of the batched form's per-(token, slot) weight gathers; the graph's own
+    top-k index and weights are reused, so even a router MoE cannot express (sigmoid) stays
+    as it is, ties included."""
+    from epfuse.patterns.lower.moe import ExpertsToLoop
+
+    cpu = get_ep("cpu")
+    rule = ExpertsToLoop()
+    assert rule.requires(cpu.dtypes["float32"], cpu) == "cpu runs com.microsoft::MoE"
+    no_moe = cpu.variant("cpu-no-moe", moe=False)
+    assert rule.requires(no_moe.dtypes["float32"], no_moe) is None
+    original = _graph(v)
+    ir_model = ir.serde.deserialize_model(original)
+    _infer_types(ir_model)
+    ctx = RewriteContext(ir_model, no_moe, "float32", OptimizeOptions())
+    node = next(n for n in ir_model.graph if n.outputs[0].name == "out")
+    outcome = rule.apply(node, ctx)
+    assert isinstance(outcome, Rewritten) and not outcome.fused, outcome
+    proto = ir.to_proto(ir_model)
+    onnx.checker.check_model(proto)
+    ops = [n.op_type for n in proto.graph.node]
+    assert ops.count("NonZero") == E and ops.count("ScatterND") == E, ops
+    assert "GatherND" not in ops, ops
+    assert next(n for n in proto.graph.node if "out" in n.output).op_type == "ScatterND"
+    tol = tolerance_for("float32")
+    for tokens in (1, 9):
+        x = np.random.default_rng(tokens).standard_normal((tokens, H)).astype(np.float32)
+        x[tokens // 2] = 0.0  # router logits = bias: experts 0, 1, 2 tie for two places
+        np.testing.assert_allclose(_run(proto, x), _run(original, x), atol=tol.atol, rtol=tol.rtol)
