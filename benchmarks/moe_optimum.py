@@ -20,7 +20,8 @@ run at each switch, medians. Logits are compared (a fast wrong model is not a re
 the Optimum environment:
 
     PYTHONPATH=. /work/venv-optimum/bin/python benchmarks/moe_optimum.py
-    ... --quick    # 2 layers, short shapes: checks the script works
+    ... --cpu-time   # 1 thread, process CPU time per run (a loaded machine's measure)
+    ... --quick      # 2 layers, short shapes: checks the script works
 """
 
 from __future__ import annotations
@@ -74,12 +75,14 @@ def config(family: str, quick: bool):
     )
 
 
-def session(path: Path):
+def session(path: Path, cpu_time: bool):
     import onnxruntime as ort
 
     options = ort.SessionOptions()
-    options.intra_op_num_threads = THREADS
+    options.intra_op_num_threads = 1 if cpu_time else THREADS
     options.inter_op_num_threads = 1
+    if cpu_time:  # a spinning thread's wait would count as work
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
 
 
@@ -98,7 +101,14 @@ def feeds(sess, past: int, seq: int, kv_heads: int, head_dim: int) -> dict:
     return out
 
 
-def measure(family: str, quick: bool, rounds: int, folder: Path) -> dict:
+def measure(
+    family: str,
+    quick: bool,
+    rounds: int,
+    folder: Path,
+    only: list[str] | None = None,
+    cpu_time: bool = False,
+) -> dict:
     import onnx
 
     import epfuse
@@ -131,9 +141,12 @@ def measure(family: str, quick: bool, rounds: int, folder: Path) -> dict:
             f"{ops.count('NonZero')} NonZero, {ops.count('GatherND')} GatherND; "
             f"{report.fused_layers}/{len(report.layers)} attention layers fused"
         )
-    sessions = {name: session(path) for name, path in paths.items()}
+    sessions = {name: session(path, cpu_time) for name, path in paths.items()}
+    clock = time.process_time if cpu_time else time.perf_counter
     results = {}
     for label, past, seq in QUICK if quick else FULL:
+        if only and label not in only:
+            continue
         first = next(iter(sessions.values()))
         data = feeds(first, past, seq, cfg.num_key_value_heads, cfg.head_dim)
         logits = {n: s.run(["logits"], data)[0] for n, s in sessions.items()}
@@ -143,9 +156,9 @@ def measure(family: str, quick: bool, rounds: int, folder: Path) -> dict:
         for _ in range(rounds):
             for name, sess in sessions.items():
                 sess.run(["logits"], data)  # untimed run at the switch
-                start = time.perf_counter()
+                start = clock()
                 sess.run(["logits"], data)
-                times[name].append(1e3 * (time.perf_counter() - start))
+                times[name].append(1e3 * (clock() - start))
         medians = {n: round(statistics.median(t), 3) for n, t in times.items()}
         results[label] = {
             **{f"{n}_ms": v for n, v in medians.items()},
@@ -170,13 +183,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=None)
     parser.add_argument("--cache", default=None)
     parser.add_argument("--family", choices=("qwen3-moe", "gpt-oss"), action="append")
+    parser.add_argument("--scenario", action="append", help="only these scenarios (labels)")
+    parser.add_argument(
+        "--cpu-time",
+        action="store_true",
+        help="1 thread, no spinning, the process's CPU time per run (what a loaded machine "
+        "can still measure: wall time there is mostly other processes' turns)",
+    )
     args = parser.parse_args(argv)
     rounds = args.rounds or (3 if args.quick else 10)
     folder = _common.cache_dir(args.cache) / ("moe-optimum-quick" if args.quick else "moe-optimum")
     folder.mkdir(parents=True, exist_ok=True)
     print(f"# Optimum experts benchmark; {_common.load_line()}")
     load_before = _common.load()
-    results = {f: measure(f, args.quick, rounds, folder) for f in args.family or LIFT_FAMILIES}
+    families = args.family or LIFT_FAMILIES
+    results = {
+        f: measure(f, args.quick, rounds, folder, args.scenario, args.cpu_time) for f in families
+    }
     rows = [
         [
             family,
@@ -194,11 +217,18 @@ def main(argv: list[str] | None = None) -> int:
         "environment": _common.environment(),
         "load_before": load_before,
         "load_after": _common.load(),
-        "threads": THREADS,
+        "threads": 1 if args.cpu_time else THREADS,
+        "clock": "process CPU time" if args.cpu_time else "wall",
         "rounds": rounds,
         "results": results,
     }
     name = "moe-optimum-quick.json" if args.quick else "moe-optimum.json"
+    if args.cpu_time:
+        name = name.replace(".json", "-cpu-time.json")
+    if args.scenario:
+        name = name.replace(
+            ".json", "-" + "-".join(x.replace(" ", "") for x in args.scenario) + ".json"
+        )
     print(f"wrote {_common.write_json(_common.RESULTS / name, payload)}")
     return 0
 
