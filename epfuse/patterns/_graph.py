@@ -122,6 +122,47 @@ def substitute(
     )
 
 
+def same_computation(a: ir.Value, b: ir.Value, depth: int = 0) -> bool:
+    """a and b are provably equal: the same value, equal constants, or outputs of the same op
+    (type, attributes, output index) on provably equal inputs. Exporters sometimes emit a
+    duplicated subgraph instead of reusing one value."""
+    if a is b:
+        return True
+    if depth > 8 or a is None or b is None:
+        return False
+    ca, cb = const_array(a), const_array(b)
+    if ca is not None or cb is not None:
+        return (
+            ca is not None
+            and cb is not None
+            and ca.dtype == cb.dtype
+            and (ca.shape == cb.shape and bool((ca == cb).all()))
+        )
+    na, nb = a.producer(), b.producer()
+    if na is None or nb is None or (na.domain, na.op_type) != (nb.domain, nb.op_type):
+        return False
+    if a.index() != b.index() or len(na.inputs) != len(nb.inputs):
+        return False
+    if na.op_type in _NONDETERMINISTIC:
+        return False
+    attrs_a = {k: repr(v.value) for k, v in na.attributes.items()}
+    attrs_b = {k: repr(v.value) for k, v in nb.attributes.items()}
+    if attrs_a != attrs_b:
+        return False
+    return all(same_computation(x, y, depth + 1) for x, y in zip(na.inputs, nb.inputs, strict=True))
+
+
+_NONDETERMINISTIC = (
+    "RandomNormal",
+    "RandomNormalLike",
+    "RandomUniform",
+    "RandomUniformLike",
+    "Multinomial",
+    "Bernoulli",
+    "Dropout",
+)
+
+
 def ensure_opset(model: ir.Model, domain: str, version: int) -> None:
     if domain not in model.opset_imports:
         model.opset_imports[domain] = version

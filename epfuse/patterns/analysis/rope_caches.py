@@ -27,7 +27,7 @@ import numpy as np
 import onnx_ir as ir
 
 from .._evaluate import SubgraphEvaluator, _Unprovable, value_dependencies
-from .._graph import attr, const_array, const_ints, input_at
+from .._graph import attr, const_array, const_ints, input_at, same_computation
 from .manager import Analysis, Unproven
 from .signature import input_role, probe_array
 
@@ -178,7 +178,6 @@ def _shared_proof(ctx, key: tuple, cos, sin, prove) -> tuple[str | None, Any, bo
     """(why not, what the proof found, whether shared) for this cos/sin pair: ``prove()``,
     unless the pair is structurally the same computation as one already proven under ``key``
     (same ops, attributes and constants on the same inputs), whose proof it shares."""
-    from ..canonicalize.rotate_half import same_computation  # (rotate_half imports the rule)
 
     proven = ctx.analyses.built("rope-proven-pairs", key, list)
     live = [p for p in proven if p[0].graph is ctx.graph and p[1].graph is ctx.graph]

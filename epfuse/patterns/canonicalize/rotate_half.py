@@ -50,6 +50,7 @@ applied before the head transpose), and rotations written in other orders.
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import numpy as np
 import onnx_ir as ir
@@ -57,7 +58,6 @@ import onnx_ir as ir
 from .._graph import (
     Builder,
     attr,
-    const_array,
     const_ints,
     const_scalar,
     dim,
@@ -67,6 +67,7 @@ from .._graph import (
     producer,
     remove_dead,
     replace_value,
+    same_computation,
     same_dim,
     shape_vector,
 )
@@ -349,47 +350,6 @@ def _repeated_halves(m: Match, name: str) -> bool:
     return _target(reshape)[3] in (width, -1)
 
 
-def same_computation(a: ir.Value, b: ir.Value, depth: int = 0) -> bool:
-    """a and b are provably equal: the same value, equal constants, or outputs of the same op
-    (type, attributes, output index) on provably equal inputs. Exporters sometimes emit a
-    duplicated subgraph instead of reusing one value."""
-    if a is b:
-        return True
-    if depth > 8 or a is None or b is None:
-        return False
-    ca, cb = const_array(a), const_array(b)
-    if ca is not None or cb is not None:
-        return (
-            ca is not None
-            and cb is not None
-            and ca.dtype == cb.dtype
-            and (ca.shape == cb.shape and bool((ca == cb).all()))
-        )
-    na, nb = a.producer(), b.producer()
-    if na is None or nb is None or (na.domain, na.op_type) != (nb.domain, nb.op_type):
-        return False
-    if a.index() != b.index() or len(na.inputs) != len(nb.inputs):
-        return False
-    if na.op_type in _NONDETERMINISTIC:
-        return False
-    attrs_a = {k: repr(v.value) for k, v in na.attributes.items()}
-    attrs_b = {k: repr(v.value) for k, v in nb.attributes.items()}
-    if attrs_a != attrs_b:
-        return False
-    return all(same_computation(x, y, depth + 1) for x, y in zip(na.inputs, nb.inputs, strict=True))
-
-
-_NONDETERMINISTIC = (
-    "RandomNormal",
-    "RandomNormalLike",
-    "RandomUniform",
-    "RandomUniformLike",
-    "Multinomial",
-    "Bernoulli",
-    "Dropout",
-)
-
-
 _HALVES = op.Concat(
     Var("h", check=lambda h: h.shape is not None and len(h.shape) == 3), Var("h2"), axis=In(-1, 2)
 )
@@ -448,11 +408,10 @@ def _half_plan(full: ir.Value, trig: str, interleaved: bool = False):
 
 def _half(ctx: RewriteContext, full: ir.Value, plan, before: ir.Node) -> ir.Value:
     """Build (once per ``full``, so Q and K share it) the half-width value of a plan."""
-    key = ("rotate-half", id(full))
-    if key not in ctx.cache:
-        prefix = f"epfuse/rope_half/{full.name or len(ctx.cache)}"
-        ctx.cache[key] = _rebuild(ctx.graph, before, prefix, *plan)
-    return ctx.cache[key]
+    prefix = f"epfuse/rope_half/{full.name or len(ctx.analyses)}"
+    return ctx.analyses.built(
+        "rotate-half", (full,), lambda: _rebuild(ctx.graph, before, prefix, *plan)
+    )
 
 
 def _rebuild(
@@ -517,9 +476,15 @@ def expanded_positions(ctx: RewriteContext, before: ir.Node, positions, x) -> ir
     ref = _bns(x)
     batch, seq = dim(ref, 0), dim(ref, 2)
     source = _input_with(ctx.graph, batch, seq)
-    key = ("expanded-positions", id(positions), batch, seq if source else id(ref))
-    if key in ctx.cache:
-        return ctx.cache[key]
+    return ctx.analyses.built(
+        "expanded-positions",
+        (positions, batch, seq if source else ref),
+        lambda: _expand_positions(ctx, before, positions, ref, source),
+    )
+
+
+def _expand_positions(ctx: RewriteContext, before: ir.Node, positions, ref, source) -> ir.Value:
+    """The Expand of ``expanded_positions``, built once per positions and target."""
     if source is None:
         b = Builder(ctx.graph, before, f"epfuse/{before.name or 'rope'}/positions")
         picked = b.op(
@@ -545,7 +510,6 @@ def expanded_positions(ctx: RewriteContext, before: ir.Node, positions, x) -> ir
         out = expand.outputs[0]
     out.type = positions.type
     out.shape = ir.Shape([_dim_as_is(ref, 0), _dim_as_is(ref, 2)])
-    ctx.cache[key] = out
     return out
 
 
@@ -627,13 +591,35 @@ class _RotateHalf:
     """Set by ``check``: the proven RotaryEmbedding (not yet in the graph)."""
 
 
+class RotateHalfMatch(NamedTuple):
+    """What the declared rotate-half shape (``_ROPE``) binds at an Add."""
+
+    x: ir.Value
+    cos_full: ir.Value
+    sin_full: ir.Value
+    nodes: list[ir.Node]
+    interleaved: bool
+    halves: bool
+    """cos/sin are the two halves of a repeated half-width table (``cos_full/repeated``)."""
+
+
+def match_rotate_half(node: ir.Node) -> RotateHalfMatch | None:
+    """The rotate-half RoPE shape at the Add ``node``, or None: the rule's match, public
+    because the GQA lowering reads it to say why arithmetic RoPE it meets was not lifted."""
+    m = match(_ROPE, node, where=_valid)
+    if m is None:
+        return None
+    interleaved, halves = "rotated" in m, "cos_full/repeated" in m
+    return RotateHalfMatch(m["x"], m["cos_full"], m["sin_full"], m.nodes, interleaved, halves)
+
+
 class RotateHalfToRotaryEmbedding(
     Rule, name="rotate-half-to-rotary-embedding", stage=Stage.CANONICALIZE, anchor="Add"
 ):
     """x*cos + rotate_half(x)*sin -> ONNX RotaryEmbedding (opset 23)"""
 
     def match(self, node: ir.Node, ctx: RewriteContext):
-        matched = self._match(node)
+        matched = match_rotate_half(node)
         if matched is None:
             return None
         x, cos_full, sin_full, chain, interleaved, halves = matched
@@ -743,16 +729,6 @@ class RotateHalfToRotaryEmbedding(
             if reason:
                 return f"cos/sin are not (batch, seq) like the rotated input ({reason})"
         return rope
-
-    @staticmethod
-    def _match(node: ir.Node):
-        """(x, cos_full, sin_full, matched nodes, interleaved, halves) of ``_ROPE`` at
-        ``node``, or None (the GQA lowering reads it to say why arithmetic RoPE stays)."""
-        m = match(_ROPE, node, where=_valid)
-        if m is None:
-            return None
-        interleaved, halves = "rotated" in m, "cos_full/repeated" in m
-        return m["x"], m["cos_full"], m["sin_full"], m.nodes, interleaved, halves
 
     @staticmethod
     def _partial(node: ir.Node, x: ir.Value):

@@ -240,9 +240,11 @@ class _InertGuardPlan:
     where: bool
 
     def build(self, ctx: RewriteContext) -> ir.Value:
-        key = ("finite-mask", id(self.source), self.dtype, self.where)
-        if key in ctx.cache:
-            return ctx.cache[key]
+        return ctx.analyses.built(
+            "finite-mask", (self.source, self.dtype, self.where), lambda: self._build(ctx)
+        )
+
+    def _build(self, ctx: RewriteContext) -> ir.Value:
         graph = ctx.graph
         lowest = np.array(_lowest(self.dtype), dtype=np.float32)
         base = f"{self.source.name or 'mask'}/epfuse_finite"
@@ -265,7 +267,6 @@ class _InertGuardPlan:
             graph.insert_after(producer_node, node)
         else:
             graph.insert_before(graph.node(0), node)
-        ctx.cache[key] = out
         return out
 
 

@@ -61,7 +61,7 @@ from ..analysis.rope_caches import EvaluatedEqual
 from ..analysis.rotary_positions import ProvenPositions
 from ..analysis.switched_caches import switched_cache
 from ..base import AttentionFacts, Kept, RewriteContext, Rewritten, Rule, Stage
-from ..canonicalize.rotate_half import RotateHalfToRotaryEmbedding
+from ..canonicalize.rotate_half import match_rotate_half
 from ..reasons import ReasonCode
 from .attention_sink import SinkPlan, match_sink, qk_used
 
@@ -461,10 +461,10 @@ def _arithmetic_rope_reason(q: ir.Value) -> str | None:
     node = q.producer()
     if node is None or node.op_type != "Add":
         return None
-    match = RotateHalfToRotaryEmbedding._match(node)
+    match = match_rotate_half(node)
     if match is None:
         return None
-    if mrope_positions(match[1]) is not None:
+    if mrope_positions(match.cos_full) is not None:
         return _MROPE_REASON.format(how="rotated by the exported arithmetic")
     return "RoPE is exported arithmetic that was not lifted to RotaryEmbedding"
 
