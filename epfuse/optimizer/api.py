@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import numbers
 import os
@@ -22,6 +23,7 @@ from epfuse.errors import (
 from epfuse.patterns import RULES, OptimizeOptions, ReasonCode, Rule
 from epfuse.patterns.analysis.signature import DecoderSignature
 
+from ._collection import fewer_collections
 from .io import load_model
 from .manager import SKIPPED_REASON, PassManager, RewriteFailure, RunState
 from .precision import Int4Options, PrecisionPlan
@@ -53,6 +55,19 @@ def optimize(model, ep="cpu", **options):
     return optimize_with_report(model, ep, **options)[0]
 
 
+def _with_fewer_collections(function):
+    """Run ``function`` under :func:`fewer_collections` (the optimizer's IR is large and long
+    lived; see :mod:`epfuse.optimizer._collection`)."""
+
+    @functools.wraps(function)
+    def run(*args, **kwargs):
+        with fewer_collections():
+            return function(*args, **kwargs)
+
+    return run
+
+
+@_with_fewer_collections
 def optimize_with_report(
     model: onnx.ModelProto | ir.Model | str | os.PathLike,
     ep: str | EPCapabilities = "cpu",
