@@ -340,6 +340,23 @@ def _qwen3_moe():
     )
 
 
+def _phimoe():
+    from transformers import PhimoeConfig
+
+    # PhiMoE routes with sparsemixer (two masked-softmax ArgMax rounds, no TopK), which ORT's
+    # use_sparse_mixer MoE does not compute: the experts stay as exported (Kept, NOT_PROVEN).
+    # No jitter: the router is deterministic at inference anyway, and a random-weight model
+    # must not depend on it. batched_mm experts: see _gpt_oss.
+    return PhimoeConfig(
+        **tiny_dims(),
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        router_jitter_noise=0.0,
+        input_jitter_noise=0.0,
+        experts_implementation="batched_mm",
+    )
+
+
 MOE_FAMILIES: dict[str, Family] = {
     f.name: f
     for f in (
@@ -348,6 +365,12 @@ MOE_FAMILIES: dict[str, Family] = {
     )
 }
 """Mixture-of-experts families (tests/families/test_moe.py); transformers 5.x only."""
+
+KEPT_EXPERTS_FAMILIES: dict[str, Family] = {
+    f.name: f
+    for f in (Family("phimoe", _phimoe, description="4 experts, sparsemixer top 2 (no TopK)"),)
+}
+"""MoE families whose experts are kept (tests/families/test_moe.py); transformers 5.x only."""
 
 SINK_FAMILIES: dict[str, Family] = {
     f.name: f

@@ -3,20 +3,23 @@
 the Hugging Face model; on cpu every layer's attention becomes GroupQueryAttention and every
 layer's experts one com.microsoft::MoE with the router semantics the family has (Mixtral
 renormalizes its top 2, Qwen3-MoE with norm_topk_prob=False does not); the result is
-equivalent in every scenario. GPT-OSS's clamped-SwiGLU experts are checked in test_gpt_oss."""
+equivalent in every scenario. GPT-OSS's clamped-SwiGLU experts are checked in test_gpt_oss.
+PhiMoE (opsets 18 and 23) fuses its attention but keeps its experts: ORT's use_sparse_mixer
+MoE does not compute its sparsemixer router, so the evaluation refuses it (NOT_PROVEN)."""
 
 from __future__ import annotations
 
 import numpy as np
 import onnx
 import pytest
-from export_runs import export_and_optimize, run_cpu
+from export_runs import assert_prompt_matches_hf, export_and_optimize, run_cpu
 
 import epfuse
 from epfuse.capabilities import get_ep
 from epfuse.optimizer.verify import assert_equivalent
+from epfuse.patterns.reasons import ReasonCode
 from epfuse.testing.hf_export import hf_reference
-from epfuse.testing.hf_families import MOE_FAMILIES
+from epfuse.testing.hf_families import KEPT_EXPERTS_FAMILIES, MOE_FAMILIES
 from epfuse.tolerances import tolerance_for
 
 pytestmark = pytest.mark.slow
@@ -80,3 +83,30 @@ def test_an_ep_without_moe_keeps_the_experts(exported):
     assert not any(n.op_type == "MoE" for n in optimized.graph.node)
     rule = next(r for r in report.rules if r.name == "experts-to-moe")
     assert not rule.selected
+
+
+@pytest.fixture(scope="module", params=[18, 23])
+def phimoe(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp("phimoe") / f"phimoe-{request.param}.onnx"
+    config = KEPT_EXPERTS_FAMILIES["phimoe"].make_config()
+    return export_and_optimize(config, path, request.param)
+
+
+def test_phimoe_attention_fuses_and_experts_are_kept(phimoe):
+    original, optimized, report = phimoe
+    assert report.fused_layers == len(report.layers) == 2, report.summary()
+    ops = [n.op_type for n in optimized.graph.node]
+    assert ops.count("GroupQueryAttention") == 2, report.summary()
+    assert "MoE" not in ops
+    rule = next(r for r in report.rules if r.name == "experts-to-moe")
+    # Both layers' sparsemixer routers are recognized (not FORM) and refused by evaluation.
+    assert rule.rewritten == 0 and rule.kept == 2, rule
+    assert set(rule.kept_codes) == {ReasonCode.NOT_PROVEN.value}, rule
+    assert_equivalent(
+        original, optimized, prompt_len=PROMPT, decode_past_len=PAST, chunk_past_len=PAST
+    )
+
+
+def test_phimoe_export_matches_hugging_face(phimoe):
+    config = KEPT_EXPERTS_FAMILIES["phimoe"].make_config()
+    assert_prompt_matches_hf(config, phimoe[0], PROMPT)

@@ -279,14 +279,16 @@ def _match(node: ir.Node) -> _Experts | str | None:
     else:
         # PhiMoE's sparsemixer: two masked-softmax ArgMax rounds instead of a TopK; ORT's
         # use_sparse_mixer (top 2) is the candidate, the evaluation decides.
-        argmaxes = [n for n in router if n.op_type == "ArgMax"]
+        # Searched only up to projections (the router's own linear): an unbounded walk from
+        # a later layer's router reaches the earlier layers' ArgMaxes through the residual.
+        argmaxes = [n for n in _ancestors(weights, 40, _PROJECTION) if n.op_type == "ArgMax"]
         if not argmaxes:
             return "no TopK (or sparse-mixer ArgMax) routes the expert outputs"
         # The router logits: the ArgMax input no other ArgMax comes before.
         firsts = [
             a.inputs[0]
             for a in argmaxes
-            if not any(n.op_type == "ArgMax" for n in _ancestors(a.inputs[0], 40))
+            if not any(n.op_type == "ArgMax" for n in _ancestors(a.inputs[0], 40, _PROJECTION))
         ]
         if len(firsts) != 1:
             return "the sparse-mixer router logits are not one value"
