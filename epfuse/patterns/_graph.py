@@ -365,10 +365,6 @@ def _elementwise(op: str, *args: Dim) -> Dim | None:
     return (op, x, y)
 
 
-def same_dim(a: Dim, b: Dim) -> bool:
-    return a == b
-
-
 def remove_dead(graph: ir.Graph, nodes: Sequence[ir.Node]) -> None:
     """Remove those of ``nodes`` whose outputs nothing reads any more, and then the producers
     that only they read (the shape vectors a matched chain computed for itself).

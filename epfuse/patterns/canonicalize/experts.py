@@ -62,7 +62,6 @@ from .._graph import (
     dim,
     remove_dead,
     replace_value,
-    same_dim,
 )
 from ..analysis.signature import probe_array
 from ..base import Kept, RewriteContext, Rewritten, Rule, Stage
@@ -321,7 +320,7 @@ def _reshape_target(output: ir.Value, tokens: ir.Value) -> ir.Value | str | None
         source is None
         or source.shape is None
         or len(source.shape) != 3
-        or not all(same_dim(dim(source, a), dim(output, a)) for a in (0, 2))
+        or not all(dim(source, a) == dim(output, a) for a in (0, 2))
     ):
         return "the experts' output does not provably have the shape of the hidden states"
     return source
@@ -679,7 +678,7 @@ def _hidden_shapes(tokens: ir.Value) -> list[ir.Value]:
             source is None
             or source.shape is None
             or len(source.shape) != 3
-            or not all(same_dim(dim(source, a), dim(value, a)) for a in range(3))
+            or not all(dim(source, a) == dim(value, a) for a in range(3))
         ):
             break
         same.append(source)

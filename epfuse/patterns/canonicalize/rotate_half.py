@@ -68,7 +68,6 @@ from .._graph import (
     remove_dead,
     replace_value,
     same_computation,
-    same_dim,
     shape_vector,
 )
 from .._opset import require_default_opset
@@ -459,7 +458,7 @@ def _bns(x: ir.Value) -> ir.Value:
 def per_token(value: ir.Value, x: ir.Value) -> bool:
     """value is (batch, seq, ...) of the (B, N, S, H) x: provably not broadcast."""
     ref = _bns(x)
-    return same_dim(dim(value, 0), dim(ref, 0)) and same_dim(dim(value, 1), dim(ref, 2))
+    return dim(value, 0) == dim(ref, 0) and dim(value, 1) == dim(ref, 2)
 
 
 def expanded_positions(ctx: RewriteContext, before: ir.Node, positions, x) -> ir.Value:
