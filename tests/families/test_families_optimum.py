@@ -121,8 +121,15 @@ def test_optimum_export_fuses_and_stays_equal(name, opset, tmp_path):
     if all(rotary):
         assert not ops & {"Cos", "Sin"}, sorted(ops)
 
-    for node in gqa:  # fed positions at input 9; GQA's own (none) elsewhere
-        assert (len(node.input) > 9 and bool(node.input[9])) == (name in COMPUTED_POSITIONS)
+    graph_inputs = {value.name for value in optimized.graph.input}
+    for node, do_rotary in zip(gqa, rotary, strict=True):
+        fed = node.input[9] if len(node.input) > 9 else ""  # position_ids
+        if not do_rotary:
+            assert not fed, node.input  # nothing to rotate
+        elif name in COMPUTED_POSITIONS:  # computed in the graph, proven, fed as position_ids
+            assert fed and fed not in graph_inputs, node.input
+        else:  # the export's own position_ids input
+            assert fed in graph_inputs, node.input
         if name == "nemotron":  # partial rotary: the cache covers half of head_dim
             cos = next(i for i in optimized.graph.initializer if i.name == node.input[7])
             assert list(cos.dims)[1] * 2 < config.head_dim, list(cos.dims)
