@@ -207,34 +207,45 @@ def _analyze(mask, graph, is_causal, has_past, max_seq_len) -> MaskProof | str:
     return "the mask is not causal + padding (with or without one sliding window)"
 
 
-def _run_probe(evaluator, graph, cuts, am, batch, seq, past, lengths, is_causal, has_past):
-    """The effective (batch, seq, total) visibility of one probe, or why it is unusable."""
+def probe_feeds(
+    names, graph: ir.Graph, cuts, am, mask: np.ndarray, batch: int, seq: int, past: int, what: str
+) -> dict[str, np.ndarray] | str:
+    """Feeds for one probe of a subgraph that reads the graph inputs ``names``: each
+    :class:`ShapeCut` its vector (sized from the probe's inputs), the attention mask ``am``
+    the probe's ``mask`` rows, every other input a ``probe_array`` of (batch, seq, past); or
+    why one cannot be sized (``what`` names what is probed). The mask and the RoPE-position
+    proofs probe this way."""
     inputs = {v.name: v for v in graph.inputs}
     by_cut = {c.value.name: c for c in cuts}
 
     def shape_of(name: str):
         if inputs[name] is am:
-            return (batch, past + seq)
+            return mask.shape
         array = probe_array(inputs[name], am, batch, seq, past)
         return None if array is None else array.shape
 
     feeds = {}
-    for name in evaluator.input_names:
+    for name in names:
         if name in by_cut:
             vector = by_cut[name].vector(shape_of)
             if vector is None:
-                return f"cannot size the shape {name!r} reads to probe the mask"
+                return f"cannot size the shape {name!r} reads to probe {what}"
             feeds[name] = vector
-            continue
-        value = inputs[name]
-        if value is am:
-            rows = np.arange(past + seq)[None, :] < np.asarray(lengths)[:, None]
-            feeds[name] = rows.astype(am.dtype.numpy())
-            continue
-        array = probe_array(value, am, batch, seq, past)
-        if array is None:
-            return f"cannot size input {name!r} to probe the mask"
-        feeds[name] = array
+        elif inputs[name] is am:
+            feeds[name] = mask.astype(am.dtype.numpy())
+        elif (array := probe_array(inputs[name], am, batch, seq, past)) is not None:
+            feeds[name] = array
+        else:
+            return f"cannot size input {name!r} to probe {what}"
+    return feeds
+
+
+def _run_probe(evaluator, graph, cuts, am, batch, seq, past, lengths, is_causal, has_past):
+    """The effective (batch, seq, total) visibility of one probe, or why it is unusable."""
+    rows = np.arange(past + seq)[None, :] < np.asarray(lengths)[:, None]
+    feeds = probe_feeds(evaluator.input_names, graph, cuts, am, rows, batch, seq, past, "the mask")
+    if isinstance(feeds, str):
+        return feeds
     try:
         (out,) = evaluator(feeds)
     except Exception as err:

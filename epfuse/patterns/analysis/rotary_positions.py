@@ -39,7 +39,7 @@ import onnx_ir as ir
 
 from .._evaluate import ShapeCut, SubgraphEvaluator, _Unprovable, value_dependencies
 from .manager import Analysis, Unproven
-from .signature import probe_array
+from .mask_proof import probe_feeds
 
 if TYPE_CHECKING:
     from ..base import RewriteContext
@@ -161,29 +161,19 @@ def _prove(positions, am, graph, max_seq_len) -> ProvenPositions | str:
 
 
 def _run(evaluator, graph, cuts, am, probe: _Probe) -> np.ndarray | str:
-    inputs = {v.name: v for v in graph.inputs}
-    by_cut = {c.value.name: c for c in cuts}
-    batch, seq, past = probe.mask.shape[0], probe.seq, probe.past
-
-    def shape_of(name: str):
-        if inputs[name] is am:
-            return probe.mask.shape
-        array = probe_array(inputs[name], am, batch, seq, past)
-        return None if array is None else array.shape
-
-    feeds = {}
-    for name in evaluator.input_names:
-        if name in by_cut:
-            vector = by_cut[name].vector(shape_of)
-            if vector is None:
-                return f"cannot size the shape {name!r} the positions read"
-            feeds[name] = vector
-        elif inputs[name] is am:
-            feeds[name] = probe.mask.astype(am.dtype.numpy())
-        elif (array := probe_array(inputs[name], am, batch, seq, past)) is not None:
-            feeds[name] = array
-        else:
-            return f"cannot size input {name!r} to probe the positions"
+    feeds = probe_feeds(
+        evaluator.input_names,
+        graph,
+        cuts,
+        am,
+        probe.mask,
+        probe.mask.shape[0],
+        probe.seq,
+        probe.past,
+        "the positions",
+    )
+    if isinstance(feeds, str):
+        return feeds
     try:
         (got,) = evaluator(feeds)
     except Exception as err:
