@@ -401,6 +401,21 @@ def _candidate_session(e: _Experts, normalize: int, reverse: bool, elem: int, dt
     )
 
 
+def _region_feeds(e, shaped, rng, tokens: int, hidden: int, experts: int, dtype):
+    """One probe of the experts region: random tokens, router logits with ties (``_probe_logits``),
+    a probe array for each input whose shape the region reads; or why one cannot be sized."""
+    feeds = {
+        e.tokens.name: rng.standard_normal((tokens, hidden)).astype(dtype),
+        e.logits.name: _probe_logits(rng, tokens, experts, e.k, dtype),
+    }
+    for value in shaped:
+        array = probe_array(value, None, 1, tokens, 0)
+        if array is None:
+            return f"the experts region reads the shape of {value.name!r}"
+        feeds[value.name] = array
+    return feeds
+
+
 def _probe_logits(rng, tokens: int, experts: int, k: int, dtype) -> np.ndarray:
     logits = 2 * rng.standard_normal((tokens, experts))
     # Exact ties: all equal; and a tie straddling the k-th place.
@@ -432,15 +447,9 @@ def _prove(ctx: RewriteContext, y: ir.Value, e: _Experts):
     rng = np.random.default_rng(0)
     probes = []
     for tokens in _TOKEN_COUNTS:
-        feeds = {
-            e.tokens.name: rng.standard_normal((tokens, hidden)).astype(dtype),
-            e.logits.name: _probe_logits(rng, tokens, experts, e.k, dtype),
-        }
-        for value in shaped:
-            array = probe_array(value, None, 1, tokens, 0)
-            if array is None:
-                return f"the experts region reads the shape of {value.name!r}"
-            feeds[value.name] = array
+        feeds = _region_feeds(e, shaped, rng, tokens, hidden, experts, dtype)
+        if isinstance(feeds, str):
+            return feeds
         try:
             (want,) = original(feeds)
         except Exception as err:
@@ -634,15 +643,9 @@ def _prove_loop(ctx: RewriteContext, y: ir.Value, e: _Experts) -> str | None:
     tol = tolerance_for("float16" if e.tokens.dtype == ir.DataType.FLOAT16 else "float32")
     rng = np.random.default_rng(0)
     for tokens in (*_TOKEN_COUNTS, experts + 4):
-        feeds = {
-            e.tokens.name: rng.standard_normal((tokens, hidden)).astype(dtype),
-            e.logits.name: _probe_logits(rng, tokens, experts, e.k, dtype),
-        }
-        for value in shaped:
-            array = probe_array(value, None, 1, tokens, 0)
-            if array is None:
-                return f"the experts region reads the shape of {value.name!r}"
-            feeds[value.name] = array
+        feeds = _region_feeds(e, shaped, rng, tokens, hidden, experts, dtype)
+        if isinstance(feeds, str):
+            return feeds
         try:
             want, index, weights = original({n: feeds[n] for n in original.input_names})
             (got,) = session.run(None, {"x": feeds[e.tokens.name], "index": index, "w": weights})
