@@ -507,14 +507,8 @@ def _lift_loop(anchor: ir.Node) -> _Lift | str | None:
     fc1, fc2 = np.stack(fc1s), np.stack(fc2s)
     b1 = _stack_biases(b1s, fc1.shape[1], fc1.dtype)
     b2 = _stack_biases(b2s, fc2.shape[1], fc2.dtype)
-    reshape_to = _reshape_target(anchor.outputs[0], tokens)
-    if isinstance(reshape_to, str):
-        return reshape_to
     what = f"a traced loop over {experts} experts"
-    return _Lift(
-        anchor, anchor.outputs[0], tokens, logits, topk, k, weights, fc1, b1, fc2, b2,
-        template, reshape_to, what,
-    )  # fmt: skip
+    return _lift(anchor, tokens, logits, topk, k, weights, fc1, b1, fc2, b2, template, what)
 
 
 def _stack_biases(biases: list, size: int, dtype) -> np.ndarray | None:
@@ -552,12 +546,18 @@ def _lift_dense(anchor: ir.Node) -> _Lift | str | None:
         return tokens
     fc1, b1 = _stack_fc1(projs)
     w2, b2 = _second(fc2)
+    what = f"{experts} experts run on every token"
+    return _lift(anchor, tokens, logits, topk, k, weights, fc1, b1, w2, b2, template, what)
+
+
+def _lift(anchor, tokens, logits, topk, k, weights, fc1, b1, fc2, b2, template, what):
+    """The lift of both forms, once the anchor's output can be reshaped back from the
+    (tokens, hidden) rows the batched form computes (else why not)."""
     reshape_to = _reshape_target(anchor.outputs[0], tokens)
     if isinstance(reshape_to, str):
         return reshape_to
-    what = f"{experts} experts run on every token"
     return _Lift(
-        anchor, anchor.outputs[0], tokens, logits, topk, k, weights, fc1, b1, w2, b2,
+        anchor, anchor.outputs[0], tokens, logits, topk, k, weights, fc1, b1, fc2, b2,
         template, reshape_to, what,
     )  # fmt: skip
 
