@@ -49,11 +49,21 @@ _CPU = dataclasses.replace(
     moe=True,
 )
 
+# ORT 1.32's CPU MoE runs each expert's two GEMMs on one thread (it splits the experts, not
+# the work, across threads) with weights unpacked per call; the loop's MatMuls read prepacked
+# weights on all threads, so it is 1.1-1.8x faster from 16 tokens at every measured shape. At
+# decode the loop pays ~15 ops for every expert, routed or not: it breaks even between 393K
+# decode weights per expert (Qwen3-30B-A3B's width with 96 experts: 0.92-1.01x in two runs)
+# and 590K (64 experts: 1.04-1.08x), 2 threads; Qwen3-30B-A3B's own block (295K) decodes
+# 1.18-1.25x faster through MoE (benchmarks/moe_shapes.py). float16 keeps MoE: ORT CPU has no
+# float16 ScatterND add, so the loop cannot run.
+_CPU_FLOAT = dataclasses.replace(_CPU, experts_loop_min_decode_weights=450_000)
+
 CPU = EPCapabilities(
     name="cpu",
     provider="CPUExecutionProvider",
     description="ONNX Runtime CPU",
-    dtypes={"float32": _CPU, "float16": _CPU},
+    dtypes={"float32": _CPU_FLOAT, "float16": _CPU},
     notes=("no bfloat16 kernels for GQA, Attention or RMSNormalization",),
 )
 

@@ -66,6 +66,14 @@ class OpSupport:
     """``com.microsoft::GatherBlockQuantized`` (int4 embedding table)."""
     moe: bool = False
     """``com.microsoft::MoE`` with interleaved SwiGLU experts (``swiglu_fusion=1``)."""
+    experts_loop_min_decode_weights: int | None = None
+    """A cost choice, not a capability: where ``moe`` is set too, batched experts whose decode
+    weights per expert (top k x weights per expert / experts: the work each expert the loop
+    visits carries for one token) reach this many become the loop over the experts
+    (``legalize-experts-to-loop``) instead of MoE, because the loop measured faster on this EP
+    and dtype there (``benchmarks/moe_shapes.py``); below it the loop's per-expert ops cost more
+    at decode than the kernel. None: MoE wherever it is proven. MoE is still emitted where the
+    loop cannot be (opset < 16)."""
 
     def supported(self) -> list[str]:
         names = []

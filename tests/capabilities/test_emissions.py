@@ -15,7 +15,8 @@ from epfuse.capabilities.known_answers import KNOWN_ANSWERS, NOT_RUN
 
 
 def _switches() -> set[str]:
-    ops = {f.name for f in dataclasses.fields(OpSupport)}
+    # A cost choice between two emissions, not one itself.
+    ops = {f.name for f in dataclasses.fields(OpSupport)} - {"experts_loop_min_decode_weights"}
     gqa = {f"gqa.{f.name}" for f in dataclasses.fields(GQASupport) if f.type in ("bool", bool)}
     # Not capabilities: constraints on how the kernel is called, read where the rules build it.
     gqa -= {"gqa.chunked_prefill_needs_batch1", "gqa.requires_rotary_caches"}

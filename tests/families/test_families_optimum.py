@@ -199,20 +199,37 @@ MOE_OPTIMUM = {
 
 
 @pytest.mark.parametrize("name", list(MOE_OPTIMUM))
-def test_optimum_experts_become_moe(name, tmp_path):
-    """Every layer's experts become one com.microsoft::MoE (lifted, then lowered with the
-    router semantics proven: Qwen3-MoE's softmax top-k as is, GPT-OSS's top-k then softmax,
-    i.e. renormalized, with its clamped SwiGLU), and the model stays equal to the export."""
+def test_optimum_experts_are_lifted_and_lowered(name, tmp_path):
+    """Every layer's experts are lifted to the batched form, then on cpu (these tiny experts
+    are below its decode-weight threshold for the loop) become one com.microsoft::MoE (router
+    semantics proven: Qwen3-MoE's softmax top-k as is, GPT-OSS's top-k then softmax, i.e.
+    renormalized, with its clamped SwiGLU); with the loop preferred (as real Qwen3-235B or
+    GPT-OSS blocks on cpu float32), and on an EP without MoE, the loop over the experts. Each
+    stays equal to the export."""
     from epfuse.testing.hf_families import MOE_FAMILIES, SINK_FAMILIES
     from epfuse.testing.optimum_export import export_optimum_decoder
 
     config = {**MOE_FAMILIES, **SINK_FAMILIES}[name].make_config()
     original = onnx.load(str(export_optimum_decoder(config, tmp_path)))
     assert_prompt_matches_hf(config, original, PROMPT)
-    optimized, report = epfuse.optimize_with_report(original, "cpu")
     lift, normalized = MOE_OPTIMUM[name]
+    experts = getattr(config, "num_local_experts", None) or config.num_experts
+    cpu = epfuse.get_ep("cpu")
+    no_moe = cpu.variant("cpu-no-moe", moe=False)
+    loop = cpu.variant("cpu-loop", experts_loop_min_decode_weights=0)
+    for record in (loop, no_moe):
+        looped, report = epfuse.optimize_with_report(original, record)
+        rules = {r.name: r for r in report.rules}
+        assert rules[lift].rewritten == 2 and not rules[lift].kept, report.summary()
+        assert rules["legalize-experts-to-loop"].rewritten == 2, report.summary()
+        ops = [n.op_type for n in looped.graph.node]
+        assert ops.count("NonZero") == 2 * experts, sorted(set(ops))
+        assert "MoE" not in ops and "GatherND" not in ops, sorted(set(ops))
+        result = compare_models(original, looped, prompt_len=PROMPT, decode_past_len=PAST)
+        assert result.passed, str(result)
+
+    optimized, report = epfuse.optimize_with_report(original, cpu)
     rules = {r.name: r for r in report.rules}
-    assert rules[lift].rewritten == 2 and not rules[lift].kept, report.summary()
     assert rules["experts-to-moe"].rewritten == 2, report.summary()
     moe = [n for n in optimized.graph.node if n.op_type == "MoE"]
     assert len(moe) == 2, report.summary()
@@ -223,16 +240,4 @@ def test_optimum_experts_become_moe(name, tmp_path):
     ops = {n.op_type for n in optimized.graph.node}
     assert not ops & {"NonZero", "OneHot", "TopK", "Tile"}, sorted(ops)
     result = compare_models(original, optimized, prompt_len=PROMPT, decode_past_len=PAST)
-    assert result.passed, str(result)
-
-    # An EP without MoE: lifted, then a loop over the experts (one NonZero per expert).
-    no_moe = epfuse.get_ep("cpu").variant("cpu-no-moe", moe=False)
-    looped, report = epfuse.optimize_with_report(original, no_moe)
-    rules = {r.name: r for r in report.rules}
-    assert rules["legalize-experts-to-loop"].rewritten == 2, report.summary()
-    ops = [n.op_type for n in looped.graph.node]
-    experts = getattr(config, "num_local_experts", None) or config.num_experts
-    assert ops.count("NonZero") == 2 * experts, sorted(set(ops))
-    assert "MoE" not in ops and "GatherND" not in ops, sorted(set(ops))
-    result = compare_models(original, looped, prompt_len=PROMPT, decode_past_len=PAST)
     assert result.passed, str(result)

@@ -65,7 +65,8 @@ def test_every_layer_takes_its_sinks_into_gqa(exported):
         assert attrs.get("local_window_size", -1) == (W if i == 0 else -1), details
         expected = model.model.layers[i].self_attn.sinks.detach().numpy()
         np.testing.assert_array_equal(inits[node.input[11]], expected)
-    # GPT-OSS's clamped SwiGLU experts: interleaved gate/up, alpha 1.702, beta 1, limit 7.
+    # GPT-OSS's clamped SwiGLU experts: interleaved gate/up, alpha 1.702, beta 1, limit 7 (these
+    # tiny experts are below the cpu float32 record's decode-weight threshold for the loop).
     moe = [n for n in optimized.graph.node if n.op_type == "MoE"]
     assert len(moe) == 2
     for node in moe:
@@ -77,6 +78,21 @@ def test_every_layer_takes_its_sinks_into_gqa(exported):
     # The sink correction, the run-time YaRN cos/sin and the exported experts are gone.
     for op in ("ReduceLogSumExp", "Cos", "Sin", "RotaryEmbedding", "TopK", "GatherND"):
         assert not any(n.op_type == op for n in optimized.graph.node), op
+
+
+def test_with_the_loop_preferred_the_clamped_experts_become_the_loop(exported):
+    """As real GPT-OSS blocks on cpu float32 (3.1M decode weights per expert at GPT-OSS-20B,
+    past the threshold): the loop over the experts, clamp and biases included."""
+    original, _, _ = exported
+    loop = get_ep("cpu").variant("cpu-loop", experts_loop_min_decode_weights=0)
+    optimized, report = epfuse.optimize_with_report(original, loop)
+    assert report.fused_layers == len(report.layers) == 2, report.summary()
+    ops = [n.op_type for n in optimized.graph.node]
+    assert "MoE" not in ops and ops.count("NonZero") == 2 * FAMILY.make_config().num_local_experts
+    # The batched experts' gathers are gone (the loop keeps the graph's own router and TopK).
+    for op in ("ReduceLogSumExp", "Cos", "Sin", "RotaryEmbedding", "GatherND"):
+        assert op not in ops, op
+    assert_equivalent(original, optimized, **LENGTHS)
 
 
 def test_optimized_is_equivalent_beyond_the_window(exported):

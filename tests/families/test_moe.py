@@ -2,10 +2,13 @@
 ``batched_mm`` experts) exported by torch.onnx at opset 23, end to end on CPU: the export is
 the Hugging Face model; on cpu every layer's attention becomes GroupQueryAttention and every
 layer's experts one com.microsoft::MoE with the router semantics the family has (Mixtral
-renormalizes its top 2, Qwen3-MoE with norm_topk_prob=False does not); the result is
-equivalent in every scenario. GPT-OSS's clamped-SwiGLU experts are checked in test_gpt_oss.
-PhiMoE (opsets 18 and 23) fuses its attention but keeps its experts: ORT's use_sparse_mixer
-MoE does not compute its sparsemixer router, so the evaluation refuses it (NOT_PROVEN)."""
+renormalizes its top 2, Qwen3-MoE with norm_topk_prob=False does not); with the loop preferred
+at their size (the cpu float32 record does so from a decode-weight threshold real Mixtral
+blocks pass), the loop over the experts. Both are equivalent in every scenario. GPT-OSS's
+clamped-SwiGLU experts are checked in test_gpt_oss. PhiMoE (opsets 18 and 23) fuses its
+attention; ORT's use_sparse_mixer MoE does not compute its sparsemixer router, so the
+evaluation refuses MoE (NOT_PROVEN), and on cpu float32 the loop, which keeps the graph's own
+router, takes its experts."""
 
 from __future__ import annotations
 
@@ -25,6 +28,8 @@ from epfuse.tolerances import tolerance_for
 pytestmark = pytest.mark.slow
 
 PROMPT, PAST = 9, 8
+CPU_LOOP = get_ep("cpu").variant("cpu-loop", experts_loop_min_decode_weights=0)
+MOE_ONLY = get_ep("cpu").variant("cpu-moe-only", experts_loop_min_decode_weights=None)
 RENORMALIZED = {"mixtral": 1, "qwen3-moe": 0}
 
 
@@ -53,6 +58,8 @@ def test_export_matches_hugging_face(exported):
 
 
 def test_attention_and_experts_fuse(exported):
+    """These tiny experts are far below the cpu record's decode-weight threshold for the
+    loop: each layer's experts become one MoE."""
     name, _, optimized, report = exported
     assert report.fused_layers == len(report.layers) == 2, report.summary()
     moe = [n for n in optimized.graph.node if n.op_type == "MoE"]
@@ -63,10 +70,34 @@ def test_attention_and_experts_fuse(exported):
         assert attrs["normalize_routing_weights"] == RENORMALIZED[name]
         assert attrs["activation_alpha"] == 1.0 and attrs["activation_beta"] == 0.0
         assert "swiglu_limit" not in attrs
-    for op in ("TopK", "GatherND"):
+    for op in ("TopK", "GatherND", "NonZero"):
         assert not any(n.op_type == op for n in optimized.graph.node), op
-    rule = next(r for r in report.rules if r.name == "experts-to-moe")
-    assert rule.rewritten == 2 and not rule.kept, rule
+    rules = {r.name: r for r in report.rules}
+    assert rules["experts-to-moe"].rewritten == 2 and not rules["experts-to-moe"].kept
+    assert rules["legalize-experts-to-loop"].rewritten == 0
+
+
+def _experts(config) -> int:
+    return getattr(config, "num_local_experts", None) or config.num_experts
+
+
+def test_with_the_loop_preferred_the_experts_become_the_loop(exported):
+    """Where the record prefers the loop at these experts' size (threshold 0 here; real
+    Mixtral blocks are past the cpu threshold), experts-to-moe leaves them to the loop."""
+    name, original, _, _ = exported
+    optimized, report = epfuse.optimize_with_report(original, CPU_LOOP)
+    assert report.fused_layers == len(report.layers) == 2, report.summary()
+    ops = [n.op_type for n in optimized.graph.node]
+    assert ops.count("GroupQueryAttention") == 2 and "MoE" not in ops, sorted(set(ops))
+    assert ops.count("NonZero") == 2 * _experts(MOE_FAMILIES[name].make_config()), ops
+    for op in ("GatherND", "Tile"):
+        assert op not in ops, op
+    rules = {r.name: r for r in report.rules}
+    assert rules["legalize-experts-to-loop"].rewritten == 2, report.summary()
+    assert rules["experts-to-moe"].rewritten == 0 and not rules["experts-to-moe"].kept
+    assert_equivalent(
+        original, optimized, prompt_len=PROMPT, decode_past_len=PAST, chunk_past_len=PAST
+    )
 
 
 def test_optimized_is_equivalent(exported):
@@ -92,19 +123,28 @@ def phimoe(request, tmp_path_factory):
     return export_and_optimize(config, path, request.param)
 
 
-def test_phimoe_attention_fuses_and_experts_are_kept(phimoe):
+def test_phimoe_attention_fuses_and_experts_become_the_loop(phimoe):
+    """Both layers' sparsemixer routers are recognized (not FORM) and refused by evaluation for
+    MoE; on cpu float32 the loop, which keeps the graph's own router, takes them instead. A
+    record with MoE and no loop (as GPU EPs) keeps them as exported."""
     original, optimized, report = phimoe
     assert report.fused_layers == len(report.layers) == 2, report.summary()
     ops = [n.op_type for n in optimized.graph.node]
     assert ops.count("GroupQueryAttention") == 2, report.summary()
-    assert "MoE" not in ops
-    rule = next(r for r in report.rules if r.name == "experts-to-moe")
-    # Both layers' sparsemixer routers are recognized (not FORM) and refused by evaluation.
-    assert rule.rewritten == 0 and rule.kept == 2, rule
-    assert set(rule.kept_codes) == {ReasonCode.NOT_PROVEN.value}, rule
+    assert "MoE" not in ops and "GatherND" not in ops, sorted(set(ops))
+    rules = {r.name: r for r in report.rules}
+    moe = rules["experts-to-moe"]
+    assert moe.rewritten == 0 and moe.kept == 2, moe
+    assert set(moe.kept_codes) == {ReasonCode.NOT_PROVEN.value}, moe
+    assert rules["legalize-experts-to-loop"].rewritten == 2, report.summary()
     assert_equivalent(
         original, optimized, prompt_len=PROMPT, decode_past_len=PAST, chunk_past_len=PAST
     )
+    kept, report = epfuse.optimize_with_report(original, MOE_ONLY)
+    ops = {n.op_type for n in kept.graph.node}
+    assert "MoE" not in ops and "NonZero" not in ops and "GatherND" in ops, sorted(ops)
+    rule = next(r for r in report.rules if r.name == "experts-to-moe")
+    assert rule.rewritten == 0 and rule.kept == 2, rule
 
 
 def test_phimoe_export_matches_hugging_face(phimoe):

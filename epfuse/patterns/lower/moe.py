@@ -506,6 +506,8 @@ class ExpertsToMoE(
             return None
         if matched.tokens.dtype not in (ir.DataType.FLOAT, ir.DataType.FLOAT16):
             return Kept(ReasonCode.DTYPE, "experts kept: MoE runs float32/float16 only")
+        if _loop_is_cheaper(matched, ctx) and _loop_refusal(matched, ctx) is None:
+            return None  # the record measured the loop faster here: legalize-experts-to-loop
         return _MoEMatch(node, matched)
 
     def check(self, m: _MoEMatch, ctx: RewriteContext) -> Kept | None:
@@ -656,21 +658,51 @@ def _prove_loop(ctx: RewriteContext, y: ir.Value, e: _Experts) -> str | None:
     return None
 
 
+_NOT_THIS_FORM = "the experts have no routing-weight product or are not float32/float16"
+
+
+def decode_weights_per_expert(e: _Experts) -> int:
+    """The weights each expert the loop visits carries for one token: top k x weights per
+    expert / experts (the loop runs ~15 ops for every expert, routed or not)."""
+    experts = e.fc1.weight.shape[0]
+    per_expert = (e.fc1.weight.size + e.fc2.weight.size) // experts
+    return e.k * per_expert // experts
+
+
+def _loop_is_cheaper(e: _Experts, ctx: RewriteContext) -> bool:
+    threshold = ctx.ops.experts_loop_min_decode_weights
+    return threshold is not None and decode_weights_per_expert(e) >= threshold
+
+
+def _loop_refusal(e: _Experts, ctx: RewriteContext) -> str | None:
+    """None when ``legalize-experts-to-loop`` can emit the loop for these experts, else why not
+    (read by ``experts-to-moe`` too: where the record prefers the loop, MoE still takes what
+    the loop cannot)."""
+    if e.weights is None or e.tokens.dtype not in (ir.DataType.FLOAT, ir.DataType.FLOAT16):
+        return _NOT_THIS_FORM
+    if ctx.graph.opset_imports.get("", 0) < 16:
+        return "ScatterND add needs opset 16"
+    return None
+
+
 class ExpertsToLoop(
     Rule, name="legalize-experts-to-loop", stage=Stage.LEGALIZE, anchor="ReduceSum"
 ):
-    """batched experts the EP cannot run as MoE -> a loop over the experts in standard ops
+    """batched experts the EP cannot run as MoE, or runs slower -> a loop over the experts
 
     The batched form gathers one full weight matrix per (token, slot): (T * k, 2I, H) floats
     at a prompt of T tokens, more than an EP can hold at real sizes. Where the EP has no MoE,
     each expert runs instead on the rows routed to it (``NonZero``, ``Gather``, its MLP,
     ``ScatterND`` add), with the graph's own top-k index and routing weights, so whatever the
-    router computes stays as it is; proven equal to the batched region on ORT. A LEGALIZE rule
-    (what the record cannot take as MoE, as primitives), beside ``experts-to-moe`` because it
-    reads the same form."""
+    router computes stays as it is; proven equal to the batched region on ORT. Where the EP
+    has MoE but its record measured the loop faster at some shapes
+    (``experts_loop_min_decode_weights``: ORT CPU float32), ``experts-to-moe`` leaves the
+    experts of those shapes to this rule, which also takes the experts MoE could not be proven
+    for there (they keep the graph's own router). A LEGALIZE rule (what the record does not
+    take as MoE, as primitives), beside ``experts-to-moe`` because it reads the same form."""
 
     def requires(self, ops, ep):
-        if ops.moe:
+        if ops.moe and ops.experts_loop_min_decode_weights is None:
             return f"{ep.name} runs com.microsoft::MoE"
         return None
 
@@ -678,14 +710,12 @@ class ExpertsToLoop(
         matched = _match(node)
         if matched is None or isinstance(matched, str) or ctx.skips(node):
             return None  # experts-to-moe reports the forms it cannot read
-        if matched.weights is None or matched.tokens.dtype not in (
-            ir.DataType.FLOAT,
-            ir.DataType.FLOAT16,
-        ):
-            return None
-        if ctx.graph.opset_imports.get("", 0) < 16:
-            return Kept(ReasonCode.OPSET, "experts kept batched: ScatterND add needs opset 16")
-        return _MoEMatch(node, matched)
+        why = _loop_refusal(matched, ctx)
+        if why is None:
+            return _MoEMatch(node, matched)
+        if ctx.ops.moe or why is _NOT_THIS_FORM:
+            return None  # experts-to-moe takes them
+        return Kept(ReasonCode.OPSET, f"experts kept batched: {why}")
 
     def check(self, m: _MoEMatch, ctx: RewriteContext) -> Kept | None:
         why = _prove_loop(ctx, m.node.outputs[0], m.experts)
@@ -700,8 +730,16 @@ class ExpertsToLoop(
         y.shape, y.type = old.shape, old.type
         replace_value(old, y)
         remove_dead(ctx.graph, [node])
+        if not ctx.ops.moe:
+            why = "no MoE on this EP"
+        elif _loop_is_cheaper(e, ctx):
+            why = (
+                f"measured faster than MoE on {ctx.ep.name} {ctx.dtype} at "
+                f"{decode_weights_per_expert(e)} decode weights per expert"
+            )
+        else:
+            why = "experts-to-moe did not take them"
         return Rewritten(
-            f"{e.fc1.weight.shape[0]} experts as a loop over the experts (no MoE on this EP; "
-            "proven on ORT)",
+            f"{e.fc1.weight.shape[0]} experts as a loop over the experts ({why}; proven on ORT)",
             fused=False,
         )

@@ -118,10 +118,15 @@ def _graph(v: Variant) -> onnx.ModelProto:
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
 
 
+# The cpu record prefers the loop over the experts in float32 from a decode-weight threshold
+# these tiny experts are far below; the tests are about the MoE lowering, whatever it becomes.
+CPU_MOE = get_ep("cpu").variant("cpu-moe", experts_loop_min_decode_weights=None)
+
+
 def _apply(model):
     ir_model = ir.serde.deserialize_model(model)
     _infer_types(ir_model)
-    ctx = RewriteContext(ir_model, get_ep("cpu"), "float32", OptimizeOptions())
+    ctx = RewriteContext(ir_model, CPU_MOE, "float32", OptimizeOptions())
     node = next(n for n in ir_model.graph if n.outputs[0].name == "out")
     return ir_model, ExpertsToMoE().apply(node, ctx)
 
@@ -211,7 +216,9 @@ def test_without_moe_the_experts_become_a_loop_over_the_experts(v):
 
     cpu = get_ep("cpu")
     rule = ExpertsToLoop()
-    assert rule.requires(cpu.dtypes["float32"], cpu) == "cpu runs com.microsoft::MoE"
+    assert rule.requires(CPU_MOE.dtypes["float32"], CPU_MOE) == "cpu-moe runs com.microsoft::MoE"
+    assert rule.requires(cpu.dtypes["float16"], cpu) == "cpu runs com.microsoft::MoE"
+    assert rule.requires(cpu.dtypes["float32"], cpu) is None  # the cost threshold needs it
     no_moe = cpu.variant("cpu-no-moe", moe=False)
     assert rule.requires(no_moe.dtypes["float32"], no_moe) is None
     original = _graph(v)
@@ -232,3 +239,65 @@ def test_without_moe_the_experts_become_a_loop_over_the_experts(v):
         x = np.random.default_rng(tokens).standard_normal((tokens, H)).astype(np.float32)
         x[tokens // 2] = 0.0  # router logits = bias: experts 0, 1, 2 tie for two places
         np.testing.assert_allclose(_run(proto, x), _run(original, x), atol=tol.atol, rtol=tol.rtol)
+
+
+@pytest.mark.parametrize("opset", [18, 15])
+def test_the_loop_is_chosen_from_the_decode_weight_threshold(opset):
+    """Where the record measured the loop faster than MoE from some decode weights per expert
+    (``experts_loop_min_decode_weights``, ORT CPU float32), experts-to-moe leaves experts at or
+    above it to legalize-experts-to-loop and lowers those below it, except where the loop
+    cannot be emitted (ScatterND add needs opset 16): MoE takes them whatever the threshold."""
+    from epfuse.patterns.lower.moe import ExpertsToLoop
+
+    cpu = get_ep("cpu")
+    assert cpu.ops("float32").experts_loop_min_decode_weights == 450_000
+    assert cpu.ops("float16").experts_loop_min_decode_weights is None
+    original = _graph(Variant(style="gptoss"))  # no Split: valid at opset 15 too
+    original.opset_import[0].version = opset
+    work = K * (2 * INTER * H + H * INTER) // E  # top k x weights per expert / experts
+    for threshold, cheaper in ((work, True), (work + 1, False)):
+        record = cpu.variant("cpu-threshold", experts_loop_min_decode_weights=threshold)
+        ir_model = ir.serde.deserialize_model(original)
+        _infer_types(ir_model)
+        ctx = RewriteContext(ir_model, record, "float32", OptimizeOptions())
+        node = next(n for n in ir_model.graph if n.outputs[0].name == "out")
+        moe = ExpertsToMoE().apply(node, ctx)
+        if cheaper and opset >= 16:
+            assert moe is None, moe
+            outcome = ExpertsToLoop().apply(node, ctx)
+            assert isinstance(outcome, Rewritten), outcome
+            assert f"measured faster than MoE on cpu-threshold float32 at {work} " in outcome.note
+            want = "ScatterND"
+        else:
+            assert isinstance(moe, Rewritten), moe
+            want = "MoE"
+        proto = ir.to_proto(ir_model)
+        assert next(n for n in proto.graph.node if "out" in n.output).op_type == want
+        tol = tolerance_for("float32")
+        x = np.random.default_rng(3).standard_normal((7, H)).astype(np.float32)
+        got, expected = _run(proto, x), _run(original, x)
+        np.testing.assert_allclose(got, expected, atol=tol.atol, rtol=tol.rtol)
+
+
+def test_decode_weights_per_expert_of_real_blocks():
+    """The threshold's measure at real blocks (weights as zero-copy views of their shapes):
+    Qwen3-30B-A3B's stays below the cpu threshold (its MoE decoded 1.18-1.25x faster than the
+    loop, benchmarks/moe_shapes.py), as does the same width with 96 experts (0.92-1.01x); 64
+    experts (1.04-1.08x), Mixtral-8x7B's and GPT-OSS-20B's are above it."""
+    from types import SimpleNamespace
+
+    from epfuse.patterns.lower.moe import decode_weights_per_expert
+
+    def block(hidden, inter, experts, k):
+        def weight(*shape):
+            return SimpleNamespace(weight=np.broadcast_to(np.float32(0), shape))
+
+        fc1, fc2 = weight(experts, 2 * inter, hidden), weight(experts, hidden, inter)
+        return decode_weights_per_expert(SimpleNamespace(k=k, fc1=fc1, fc2=fc2))
+
+    threshold = get_ep("cpu").ops("float32").experts_loop_min_decode_weights
+    assert block(2048, 768, 128, 8) == 294_912 < threshold  # Qwen3-30B-A3B
+    assert block(2048, 768, 96, 8) == 393_216 < threshold
+    assert block(2048, 768, 64, 8) == 589_824 > threshold
+    assert block(4096, 14336, 8, 2) == 44_040_192  # Mixtral-8x7B
+    assert block(2880, 2880, 32, 4) == 3_110_400  # GPT-OSS-20B
