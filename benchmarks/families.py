@@ -8,14 +8,16 @@ transformers 4.57); each export is optimized for cpu and compared with itself on
 (``compare_models``: prompt, decode with a real past, chunked prefill, right-padded batch,
 decode after a padded prompt; prompt 2W + 1 and past 2W, past the sliding window W = 4).
 A row records layers fused / total, what each layer became (GQA's do_rotary, window, softcap,
-head_sink; MoE nodes), the reasons for anything kept, and the max |logits difference| per
-scenario (``skip`` where ``verify`` skips it, with its reason in the JSON).
+head_sink; MoE nodes; experts lowered to the loop over the experts), the reasons for anything
+kept, and the max |logits difference| per scenario (``skip`` where ``verify`` skips it, with
+its reason in the JSON).
 
     PYTHONPATH=. python benchmarks/families.py --exporter dynamo
     PYTHONPATH=. /path/to/optimum-venv/bin/python benchmarks/families.py --exporter optimum
 
-Writes ``benchmarks/results/families-<exporter>.json`` (one record per family and opset) and
-prints markdown rows.
+Writes ``benchmarks/results/families-<exporter>.json`` (one record per family and opset; with
+``--families``, those families' records are replaced and the others kept) and prints markdown
+rows.
 """
 
 from __future__ import annotations
@@ -41,7 +43,12 @@ SCENARIOS = ("prompt", "decode", "chunk", "padded", "padded_decode")
 def _families(exporter: str) -> dict[str, H.Family]:
     families = {**H.FAMILIES, **H.MORE_FAMILIES}
     if exporter == "dynamo":  # transformers 5.x only (batched_mm experts, LongRoPE's config)
-        for extra in ("MOE_FAMILIES", "SINK_FAMILIES", "LONGROPE_FAMILIES"):
+        for extra in (
+            "MOE_FAMILIES",
+            "KEPT_EXPERTS_FAMILIES",
+            "SINK_FAMILIES",
+            "LONGROPE_FAMILIES",
+        ):
             families.update(getattr(H, extra, {}))
     else:  # GPT-OSS's config builds under 4.57 too (optimum-onnx 0.1.0 exports it)
         families.update(H.SINK_FAMILIES)
@@ -97,6 +104,9 @@ def measure(name: str, family: H.Family, exporter: str, opset: int | None, tmp: 
     record["layers"] = len(report.layers)
     record["fused"] = report.fused_layers
     record["into"] = _gqa_summary(optimized)
+    looped = next((r.rewritten for r in report.rules if r.name == "legalize-experts-to-loop"), 0)
+    if looped:
+        record["into"] += f", experts loop x {looped}"
     kept = []
     for i, layer in enumerate(report.layers):
         notes = [n for note in layer.notes for n in note.split("; ") if "kept" in n]
@@ -154,6 +164,8 @@ def main() -> None:
     opsets = (18, 23) if args.exporter == "dynamo" else (None,)
     out = args.out or Path(__file__).parent / "results" / f"families-{args.exporter}.json"
     records = []
+    if args.families and out.exists():  # a subset re-measured: the other records stay
+        records = [r for r in json.loads(out.read_text()) if r["family"] not in names]
     with tempfile.TemporaryDirectory(prefix="epfuse-families-") as tmp:
         for name in names:
             for opset in opsets:

@@ -2,17 +2,21 @@
 
 A small Mixtral with random weights (hidden 256, intermediate 512, 8 experts, top 2, 4 layers,
 8 query / 2 KV heads, vocab 1024) is exported with torch.onnx at opset 23 (transformers'
-``batched_mm`` experts, the implementation torch.onnx can export). Both candidates are
+``batched_mm`` experts, the implementation torch.onnx can export). The candidates are
 ``epfuse.optimize(export, ...)`` with the same attention fusion (GroupQueryAttention); they
 differ only in the experts:
 
-- ``unfused experts``: the cpu record with ``moe=False`` (the experts stay as exported:
-  GatherND of each token's expert weights, batched MatMuls, SwiGLU, weighted sum);
-- ``MoE``: the cpu record (experts -> ``com.microsoft::MoE``).
+- ``exported``: the cpu record with ``moe=False`` and without ``legalize-experts-to-loop``
+  (GatherND of each token's expert weights, batched MatMuls, SwiGLU, weighted sum);
+- ``loop``: the cpu record with the loop preferred at any size
+  (``experts_loop_min_decode_weights=0``: the loop over the experts in standard ops, what
+  cpu float32 emits for real Mixtral blocks);
+- ``MoE``: the cpu record (these tiny experts are below its threshold for the loop:
+  ``com.microsoft::MoE``).
 
 ORT CPU EP, 2 intra-op threads, batch 1, default optimization level; candidates interleaved
 round by round, one untimed run at each switch; medians of the per-round times. Logits of the
-two are compared (a fast wrong model is not a result).
+candidates are compared (a fast wrong model is not a result).
 
     python benchmarks/moe.py            # writes benchmarks/results/moe.json
     python benchmarks/moe.py --quick    # 2 layers, short shapes: checks the script works
@@ -21,7 +25,6 @@ two are compared (a fast wrong model is not a result).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import statistics
 import sys
 import time
@@ -98,21 +101,21 @@ def main(argv: list[str] | None = None) -> int:
     if not export.exists():
         export_hf_decoder(cfg, export, opset=23)
     cpu = get_ep("cpu")
-    no_moe = dataclasses.replace(
-        cpu,
-        name="cpu-no-moe",
-        dtypes={d: dataclasses.replace(ops, moe=False) for d, ops in cpu.dtypes.items()},
-    )
-    paths = {"unfused experts": folder / "unfused.onnx", "MoE": folder / "moe.onnx"}
+    no_moe = cpu.variant("cpu-no-moe", moe=False)
+    candidates = {  # name: (record, rules)
+        # The exported experts: no MoE, and not the loop an EP without MoE gets either.
+        "exported": (no_moe, tuple(r for r in RULES if r.name != "legalize-experts-to-loop")),
+        "loop": (cpu.variant("cpu-loop", experts_loop_min_decode_weights=0), RULES),
+        "MoE": (cpu, RULES),
+    }
+    paths = {name: folder / f"{name}.onnx" for name in candidates}
     original = onnx.load(str(export))
-    # The exported experts: no MoE, and not the loop an EP without MoE gets either.
-    exported = tuple(r for r in RULES if r.name != "legalize-experts-to-loop")
-    for (name, path), record in zip(paths.items(), (no_moe, cpu), strict=True):
-        model, report = epfuse.optimize_with_report(original, record, rules=exported)
+    for name, (record, rules) in candidates.items():
+        model, report = epfuse.optimize_with_report(original, record, rules=rules)
         assert report.fused_layers == len(report.layers), report.summary()
-        onnx.save(model, str(path))
-        count = sum(n.op_type == "MoE" for n in model.graph.node)
-        print(f"{name}: {len(model.graph.node)} nodes, {count} MoE")
+        onnx.save(model, str(paths[name]))
+        ops = [n.op_type for n in model.graph.node]
+        print(f"{name}: {len(ops)} nodes, {ops.count('MoE')} MoE, {ops.count('NonZero')} NonZero")
     sessions = {name: session(path) for name, path in paths.items()}
     print(f"# MoE benchmark ({'quick' if args.quick else 'full'}); {_common.load_line()}")
     load_before = _common.load()
@@ -121,8 +124,8 @@ def main(argv: list[str] | None = None) -> int:
         first = next(iter(sessions.values()))
         data = feeds(first, past, seq, cfg.num_key_value_heads, cfg.head_dim)
         logits = {n: s.run(["logits"], data)[0] for n, s in sessions.items()}
-        diff = float(np.abs(logits["MoE"] - logits["unfused experts"]).max())
-        assert diff < LOGIT_ATOL, f"{label}: logits differ by {diff}"
+        diffs = {n: float(np.abs(v - logits["exported"]).max()) for n, v in logits.items()}
+        assert max(diffs.values()) < LOGIT_ATOL, f"{label}: logits differ: {diffs}"
         times: dict[str, list[float]] = {n: [] for n in sessions}
         for _ in range(rounds):
             for name, sess in sessions.items():
@@ -130,19 +133,23 @@ def main(argv: list[str] | None = None) -> int:
                 start = time.perf_counter()
                 sess.run(["logits"], data)
                 times[name].append(1e3 * (time.perf_counter() - start))
-        ratios = [a / b for a, b in zip(times["unfused experts"], times["MoE"], strict=True)]
-        results[label] = {
-            "unfused_ms": round(statistics.median(times["unfused experts"]), 3),
-            "moe_ms": round(statistics.median(times["MoE"]), 3),
-            "speedup": round(statistics.median(ratios), 3),
-            "max_abs_logit_diff": diff,
-        }
+        results[label] = {f"{n}_ms": round(statistics.median(t), 3) for n, t in times.items()}
+        for n in ("loop", "MoE"):
+            ratios = [a / b for a, b in zip(times["exported"], times[n], strict=True)]
+            results[label][f"{n}_speedup"] = round(statistics.median(ratios), 3)
+        results[label]["max_abs_logit_diff"] = max(diffs.values())
         print(f"  {label}: done; {_common.load_line()}")
     rows = [
-        [label, f"{r['unfused_ms']:.2f}", f"{r['moe_ms']:.2f}", f"{r['speedup']:.2f}x"]
+        [
+            label,
+            *(f"{r[f'{n}_ms']:.2f}" for n in candidates),
+            f"{r['loop_speedup']:.2f}x",
+            f"{r['MoE_speedup']:.2f}x",
+        ]
         for label, r in results.items()
     ]
-    print(_common.table(["scenario", "unfused experts (ms)", "MoE (ms)", "speedup"], rows))
+    headers = ["scenario", *(f"{n} (ms)" for n in candidates), "loop speedup", "MoE speedup"]
+    print(_common.table(headers, rows))
     payload = {
         "environment": _common.environment(),
         "load_before": load_before,

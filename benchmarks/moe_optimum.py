@@ -11,9 +11,11 @@ candidates, all ``epfuse.optimize`` of the same export with the same attention f
 - ``batched``: the cpu record with ``moe=False`` and without ``legalize-experts-to-loop``: the
   lifted canonical form itself (what dynamo's exports are), one weight matrix gathered per
   (token, slot);
-- ``loop``: the cpu record with ``moe=False``: lifted, then a loop over the experts in
-  standard ops (what an EP without MoE gets);
-- ``MoE``: the cpu record (lifted, then ``com.microsoft::MoE``).
+- ``loop``: the cpu record with the loop preferred at any size
+  (``experts_loop_min_decode_weights=0``): lifted, then the loop over the experts in standard
+  ops (what cpu float32 gets for real GPT-OSS blocks, and what an EP without MoE gets);
+- ``MoE``: the cpu record (these tiny experts are below its threshold for the loop): lifted,
+  then ``com.microsoft::MoE``.
 
 ORT CPU EP, 2 intra-op threads, batch 1; candidates interleaved round by round, an untimed
 run at each switch, medians. Logits are compared (a fast wrong model is not a result). Needs
@@ -126,7 +128,7 @@ def measure(
     runs = {
         "exported": (cpu, tuple(r for r in RULES if r.name not in LIFTS)),
         "batched": (no_moe, tuple(r for r in RULES if r.name != LOOP)),
-        "loop": (no_moe, RULES),
+        "loop": (cpu.variant("cpu-loop", experts_loop_min_decode_weights=0), RULES),
         "MoE": (cpu, RULES),
     }
     original = onnx.load(str(export))
