@@ -273,17 +273,19 @@ MORE_FAMILIES = {
     "llama3": 0,
     "llama-linear": 0,
     "llama-yarn": 0,
+    "phimoe": 0,
 }
 
 
 @pytest.mark.parametrize("name", list(MORE_FAMILIES))
 def test_more_families_generate_hf_tokens(name, tmp_path):
     """The opset-23 export, fused on cpu (every layer; Ernie 4.5 and HunYuan with RoPE
-    outside GQA), runs in genai with the shared buffer and gives HF's greedy tokens, one
-    prompt and a right-padded batch."""
-    from epfuse.testing.hf_families import ALL_FAMILIES, SINK_FAMILIES
+    outside GQA; PhiMoE's experts as the loop over the experts, GPT-OSS's as MoE), runs in
+    genai with the shared buffer and gives HF's greedy tokens, one prompt and a right-padded
+    batch."""
+    from epfuse.testing.hf_families import ALL_FAMILIES, KEPT_EXPERTS_FAMILIES, SINK_FAMILIES
 
-    config = {**ALL_FAMILIES, **SINK_FAMILIES}[name].make_config()
+    config = {**ALL_FAMILIES, **SINK_FAMILIES, **KEPT_EXPERTS_FAMILIES}[name].make_config()
     for key, value in dict(vocab_size=VOCAB, bos_token_id=BOS, eos_token_id=EOS).items():
         setattr(config, key, value)
     config.pad_token_id = PAD
